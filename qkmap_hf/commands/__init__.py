@@ -1,0 +1,1 @@
+"""Subcommands of the ``qkmap`` CLI; each module is a thin layer over the library."""

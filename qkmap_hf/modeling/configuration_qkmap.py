@@ -1,0 +1,138 @@
+# Copyright 2026 The qkmap-hf authors. Licensed under the Apache License, Version 2.0.
+"""QK-MAP model configuration.
+
+This file is copied into every saved checkpoint and loaded with ``trust_remote_code=True``: it must
+import only torch and transformers (and sibling files, relatively).
+"""
+
+from __future__ import annotations
+
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+QK_MODES = ("standard", "qk_norm", "qk_map")
+QKMAP_FREQUENCY_SHARING = ("channel", "head")
+QKMAP_GAIN_PARAMETRIZATIONS = ("absolute", "inverse_frequency")
+QKMAP_INITS = ("native", "exact")
+AUTO_MAP = {
+    "AutoConfig": "configuration_qkmap.QKMapConfig",
+    "AutoModel": "modeling_qkmap.QKMapModel",
+    "AutoModelForCausalLM": "modeling_qkmap.QKMapForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_qkmap.QKMapForSequenceClassification",
+}
+
+
+class QKMapConfig(LlamaConfig):
+    r"""Configuration of a Llama-style decoder whose queries and keys are built by one of three modes.
+
+    Every Llama field keeps its name and meaning, so a Llama config converts by adding fields. The
+    ``qk_mode`` field picks the query/key construction:
+
+    - ``"standard"``: Llama attention, bit-for-bit (the honest baseline).
+    - ``"qk_norm"``: per-head RMSNorm on queries and keys before RoPE (Qwen3 layout, ``q_norm``/``k_norm``).
+    - ``"qk_map"``: the QK-MAP feature map ``phi(z) = concat_f [a_cos cos(omega z), a_sin sin(omega z)]``
+      with block-wise RoPE; see ``docs/method.md``.
+
+    QK-MAP fields (ignored by the other modes):
+
+    - ``qkmap_input_dim`` (``m``): width of the projected ``z`` per head; ``None`` means ``head_dim``
+      (the "wide" layout, keys of width ``2 F m``). ``head_dim // (2 F)`` is the "compact" layout.
+    - ``qkmap_num_frequencies`` (``F``): frequency blocks; features have width ``2 F m``.
+    - ``qkmap_learnable_frequencies``: train ``omega`` (stored as its logarithm) or freeze it.
+    - ``qkmap_frequency_sharing``: ``"channel"`` (one ``omega`` per channel) or ``"head"`` (one per block).
+    - ``qkmap_min_frequency`` / ``qkmap_max_frequency``: geometric grid of the native initialisation.
+    - ``qkmap_logit_scale``: logit multiplier; ``None`` means ``1/sqrt(m)``.
+    - ``qkmap_gain_parametrization``: ``"absolute"`` (effective gain = stored gain) or
+      ``"inverse_frequency"`` (effective gain = stored gain / omega, so a converted model starts at
+      stored gain 1 and stays function-preserving while omega travels through the linear regime).
+    - ``qkmap_init``: ``"native"`` (geometric omega, unit gains) or ``"exact"`` (every omega equals
+      ``qkmap_exact_frequency``, sine gain ``1/omega``, cosine gain 0: the block computes ``z``).
+    - ``qkmap_exact_frequency``: ``omega_0`` of the exact initialisation.
+    """
+
+    model_type = "qkmap"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+
+    qk_mode: str = "qk_map"
+    qkmap_input_dim: int | None = None
+    qkmap_num_frequencies: int = 1
+    qkmap_learnable_frequencies: bool = True
+    qkmap_frequency_sharing: str = "channel"
+    qkmap_min_frequency: float = 0.1
+    qkmap_max_frequency: float = 3.0
+    qkmap_logit_scale: float | None = None
+    qkmap_gain_parametrization: str = "absolute"
+    qkmap_init: str = "native"
+    qkmap_exact_frequency: float = 1e-3
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.validate_qkmap()
+        # Saved checkpoints load without qkmap_hf through these entries and the files copied beside them.
+        self.auto_map = dict(AUTO_MAP)
+
+    def validate_qkmap(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field and what it accepts."""
+
+        def choice(field: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"QKMapConfig.{field}={value!r} is invalid; allowed values: {', '.join(allowed)}.")
+
+        def positive(field: str, value, kind: type = int) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
+                raise ValueError(f"QKMapConfig.{field}={value!r} is invalid; it must be a positive {kind.__name__}.")
+
+        choice("qk_mode", QK_MODES)
+        choice("qkmap_frequency_sharing", QKMAP_FREQUENCY_SHARING)
+        choice("qkmap_gain_parametrization", QKMAP_GAIN_PARAMETRIZATIONS)
+        choice("qkmap_init", QKMAP_INITS)
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            positive(field, getattr(self, field))
+        positive("num_key_value_heads", self.num_key_value_heads)
+        positive("head_dim", self.head_dim)
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"QKMapConfig.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}; choose num_key_value_heads among the divisors of "
+                f"{self.num_attention_heads}."
+            )
+        positive("qkmap_num_frequencies", self.qkmap_num_frequencies)
+        if self.qkmap_input_dim is not None:
+            positive("qkmap_input_dim", self.qkmap_input_dim)
+        if self.qkmap_feature_dim_per_block % 2 != 0:
+            raise ValueError(
+                f"QKMapConfig.qkmap_input_dim={self.qkmap_feature_dim_per_block} must be even: RoPE rotates channel "
+                "pairs inside each block."
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"QKMapConfig.head_dim={self.head_dim} must be even: RoPE rotates channel pairs.")
+        positive("qkmap_min_frequency", self.qkmap_min_frequency, float)
+        positive("qkmap_max_frequency", self.qkmap_max_frequency, float)
+        positive("qkmap_exact_frequency", self.qkmap_exact_frequency, float)
+        if self.qkmap_min_frequency > self.qkmap_max_frequency:
+            raise ValueError(
+                f"QKMapConfig.qkmap_min_frequency={self.qkmap_min_frequency} exceeds qkmap_max_frequency="
+                f"{self.qkmap_max_frequency}; the native grid runs from min to max."
+            )
+        if self.qkmap_logit_scale is not None:
+            positive("qkmap_logit_scale", self.qkmap_logit_scale, float)
+
+    @property
+    def qkmap_feature_dim_per_block(self) -> int:
+        """``m``: the width of ``z`` per head (and of each sin/cos block)."""
+        return self.qkmap_input_dim if self.qkmap_input_dim is not None else self.head_dim
+
+    @property
+    def query_key_dim(self) -> int:
+        """Width of the queries and keys that reach the attention kernel (and the key cache)."""
+        if self.qk_mode == "qk_map":
+            return 2 * self.qkmap_num_frequencies * self.qkmap_feature_dim_per_block
+        return self.head_dim
+
+    @property
+    def projection_dim(self) -> int:
+        """Width per head of ``q_proj``/``k_proj`` outputs."""
+        return self.qkmap_feature_dim_per_block if self.qk_mode == "qk_map" else self.head_dim
+
+
+__all__ = ["QKMapConfig", "QK_MODES"]
