@@ -156,8 +156,8 @@ class QKMapFeatureMap(nn.Module):
             sine_gain = torch.ones(self.query_gain.shape)
             if not self.inverse_frequency_gains:
                 sine_gain = sine_gain / omega.repeat_interleave(2, dim=1).expand_as(sine_gain)
-            gain = sine_gain.clone()
-            gain[:, 0::2] = 0.0  # cosine blocks contribute nothing: a_sin sin(omega z) ~ z
+            gain = torch.zeros_like(sine_gain)
+            gain[:, 1] = sine_gain[:, 1]  # only the first sine block: a_sin sin(omega z) ~ z, the rest is zero
             return {"log_frequency": omega.log(), "query_gain": gain, "key_gain": gain.clone()}
         omega = qkmap_native_frequencies(config)
         gain = torch.ones(self.query_gain.shape)
