@@ -1,0 +1,479 @@
+"""Model cards for QK-MAP checkpoints, rendered through huggingface_hub's ``ModelCard`` / ``ModelCardData``.
+
+A card says what the model is (attention mode, QK-MAP settings, architecture), where it came from (conversion
+and training records written next to the weights), how it scored (lm-eval results JSON turned into the card's
+``model-index``) and how its attention behaves (plots and numbers from ``qkmap analyze``). The Jinja template lives
+in ``qkmap_hf/model_cards/`` (the top-level ``model_cards/`` is a link to it) so that installed wheels carry it.
+
+Provenance records: ``qkmap_conversion.json`` and ``qkmap_training.json`` in the model folder are read when
+present. ``write_model_card(provenance=...)`` adds one more record: a dict whose ``"kind"`` (``"conversion"``,
+``"training"``, anything else) names its section; a ``"conversion"`` or ``"training"`` record passed this way
+replaces the file of that name in the card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .version import __version__
+
+TEMPLATE_NAME = "qkmap_model_card.md"
+PROVENANCE_FILES = {"conversion": "qkmap_conversion.json", "training": "qkmap_training.json"}
+ANALYSIS_SUBDIR = "analysis"
+BASE_TAGS = ["qk-map", "qkmap", "custom_code", "text-generation"]
+DEFAULT_LICENSE = "apache-2.0"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_BASE_MODEL_KEYS = ("base_model", "source_model_id", "source_repo_id", "source_model", "source")
+_MODE_DESCRIPTIONS = {
+    "standard": "Llama attention, unchanged (the baseline).",
+    "qk_norm": "QK-Norm: per-head RMSNorm on queries and keys before RoPE (the Qwen3 layout, a baseline).",
+    "qk_map": "QK-MAP: queries and keys pass through sin/cos features at learnable frequencies, so their "
+    "magnitude is encoded as bounded phases instead of being normalised away.",
+}
+_ARCHITECTURE_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+)
+
+
+def template_path(name: str = TEMPLATE_NAME) -> Path:
+    """Path of a bundled card template; works from a source tree, an editable install and a wheel."""
+    path = Path(str(resources.files("qkmap_hf") / "model_cards" / name))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Model card template {name!r} is missing from {path.parent}; reinstall qkmap-hf (the wheel must include "
+            "qkmap_hf/model_cards/*)."
+        )
+    return path
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: readers never see half a card."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); {what} must be a JSON object.") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}; {what} must be a JSON object.")
+    return data
+
+
+# --------------------------------------------------------------------------------------------------
+# lm-eval results
+# --------------------------------------------------------------------------------------------------
+
+
+def load_lm_eval_results(path: str | Path) -> dict:
+    """Read lm-eval results: one ``results_*.json`` file, or a folder searched recursively for them.
+
+    Several files (one run per task set) are merged oldest first, so a task's newest score wins.
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("results_*.json"), key=lambda p: (p.stat().st_mtime, p.name))
+        if not files:
+            raise FileNotFoundError(
+                f"No lm-eval results_*.json under {path}; pass the --output-path folder of `qkmap eval` or one "
+                "results file."
+            )
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"lm-eval results {path} do not exist; pass a results_*.json file or its folder.")
+    merged: dict[str, Any] = {"results": {}, "configs": {}, "n-shot": {}, "sources": []}
+    for file in files:
+        data = _read_json(file, "an lm-eval results file")
+        if not isinstance(data.get("results"), dict):
+            raise ValueError(f"{file} has no 'results' mapping; it is not an lm-eval results file.")
+        for key in ("results", "configs", "n-shot"):
+            merged[key].update(data.get(key) or {})
+        for key in ("config", "lm_eval_version", "date", "model_name", "git_hash"):
+            if key in data:
+                merged[key] = data[key]
+        merged["sources"].append(str(file))
+    return merged
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def eval_rows(results: dict) -> list[dict[str, Any]]:
+    """One row per (task, metric, filter) with value, stderr and n-shot; non-numeric entries are skipped."""
+    rows = []
+    for task, metrics in sorted(results.get("results", {}).items()):
+        shots = (results.get("n-shot") or {}).get(task)
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filter_name = key.split(",", 1)
+            number = _number(value)
+            if number is None:
+                continue
+            stderr = _number(metrics.get(f"{metric}_stderr,{filter_name}"))
+            rows.append(
+                {
+                    "task": metrics.get("alias", task).strip() or task,
+                    "task_id": task,
+                    "metric": metric if filter_name == "none" else f"{metric} ({filter_name})",
+                    "metric_id": metric,
+                    "value_raw": number,
+                    "value": f"{number:.4f}",
+                    "stderr": f"{stderr:.4f}" if stderr is not None else "",
+                    "fewshot": shots if shots is not None else "",
+                }
+            )
+    return rows
+
+
+def eval_results_for_card(results: dict) -> list[EvalResult]:
+    """``EvalResult`` entries (the card's ``model-index``) from merged lm-eval results."""
+    configs = results.get("configs") or {}
+    out = []
+    for row in eval_rows(results):
+        config = configs.get(row["task_id"], {})
+        split = config.get("test_split") or config.get("validation_split")
+        shots = row["fewshot"]
+        out.append(
+            EvalResult(
+                task_type="text-generation",
+                task_name="Text Generation",
+                dataset_type=config.get("dataset_path") or row["task_id"],
+                dataset_name=row["task"],
+                dataset_config=config.get("dataset_name") or None,
+                dataset_split=split,
+                dataset_args={"num_few_shot": shots} if shots != "" else None,
+                metric_type=row["metric_id"],
+                metric_value=round(row["value_raw"], 6),
+                metric_name=f"{row['metric']} ({shots}-shot)" if shots != "" else row["metric"],
+                source_name="lm-evaluation-harness",
+                source_url="https://github.com/EleutherAI/lm-evaluation-harness",
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# provenance and settings
+# --------------------------------------------------------------------------------------------------
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)) and len(value) <= 8 and all(not isinstance(v, (dict, list)) for v in value):
+        return ", ".join(_format_value(v) for v in value)
+    return str(value)
+
+
+def load_provenance(model_dir: Path, provenance: dict | None = None) -> dict[str, dict]:
+    """Provenance records by kind: the files in ``model_dir``, then ``provenance`` (which wins for its kind)."""
+    records: dict[str, dict] = {}
+    for kind, name in PROVENANCE_FILES.items():
+        if (model_dir / name).is_file():
+            records[kind] = _read_json(model_dir / name, f"the {kind} record")
+    if provenance is not None:
+        if not isinstance(provenance, dict):
+            raise TypeError(f"provenance must be a dict, got {type(provenance).__name__}.")
+        records[str(provenance.get("kind") or "provenance")] = provenance
+    return records
+
+
+def _provenance_sections(records: dict[str, dict]) -> list[dict[str, Any]]:
+    sections = []
+    for kind, record in records.items():
+        items = [
+            (key, _format_value(value))
+            for key, value in record.items()
+            if not isinstance(value, dict) and not (isinstance(value, list) and len(value) > 8)
+        ]
+        sections.append(
+            {
+                "title": kind.replace("_", " ").capitalize(),
+                "source": PROVENANCE_FILES.get(kind, "provenance"),
+                "items": items[:20],
+                "json": json.dumps(record, indent=2, sort_keys=True, default=str),
+            }
+        )
+    return sections
+
+
+def _base_model(records: dict[str, dict]) -> str | None:
+    """A Hub id from the records (``base_model``, ``source_model_id``, ...); local paths are not Hub ids."""
+    for record in records.values():
+        for key in _BASE_MODEL_KEYS:
+            value = record.get(key)
+            if isinstance(value, str) and _HUB_ID.match(value) and not Path(value).exists():
+                return value
+    return None
+
+
+def _datasets(records: dict[str, dict]) -> list[str] | None:
+    found: list[str] = []
+    for record in records.values():
+        value = record.get("datasets", record.get("dataset"))
+        for item in [value] if isinstance(value, str) else value or []:
+            if isinstance(item, str) and _HUB_ID.match(item) and item not in found:
+                found.append(item)
+    return found or None
+
+
+def _settings(config: dict) -> list[tuple[str, str]]:
+    if config.get("qk_mode", "standard") == "qk_map":
+        rows = [(key, _format_value(value)) for key, value in sorted(config.items()) if key.startswith("qkmap_")]
+        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1)
+        m = config.get("qkmap_input_dim") or head_dim
+        width = 2 * int(config.get("qkmap_num_frequencies", 1)) * int(m)
+        rows.append(("query/key width (2 F m)", str(width)))
+        return rows
+    rows = [("qk_mode", config.get("qk_mode", "standard (not a qkmap config)"))]
+    if "rms_norm_eps" in config:
+        rows.append(("rms_norm_eps", _format_value(config["rms_norm_eps"])))
+    return rows
+
+
+def _phase_rows(model_entry: dict | None) -> tuple[list[dict[str, str]], str | None]:
+    phase = (model_entry or {}).get("phase")
+    if not phase:
+        return [], None
+    rows = [
+        {
+            "layer": layer["layer"],
+            "query_median": f"{layer['query']['median']:.3g}",
+            "query_p90": f"{layer['query']['p90']:.3g}",
+            "key_median": f"{layer['key']['median']:.3g}",
+            "key_p90": f"{layer['key']['p90']:.3g}",
+        }
+        for layer in phase["layers"]
+    ]
+    return rows, phase.get("regime")
+
+
+# --------------------------------------------------------------------------------------------------
+# analysis
+# --------------------------------------------------------------------------------------------------
+
+
+def _pick_analysis_model(analysis: dict, model_dir: Path) -> dict | None:
+    models = analysis.get("models") or []
+    for entry in models:
+        if entry.get("path") and Path(entry["path"]).resolve() == model_dir.resolve():
+            return entry
+    return models[0] if models else None
+
+
+def _import_analysis(analysis_dir: Path, model_dir: Path) -> tuple[dict, dict]:
+    """Copy the plots (and JSON) of ``analysis_dir`` into ``model_dir/analysis``; return (analysis, model entry)."""
+    analysis_json = analysis_dir / "analysis.json" if analysis_dir.is_dir() else analysis_dir
+    if not analysis_json.is_file():
+        raise FileNotFoundError(
+            f"{analysis_json} does not exist; pass the --output-dir of `qkmap analyze` (it holds analysis.json)."
+        )
+    analysis = _read_json(analysis_json, "analysis.json")
+    if not str(analysis.get("format", "")).startswith("qkmap-analysis/"):
+        raise ValueError(f"{analysis_json} is not a `qkmap analyze` result (its 'format' is {analysis.get('format')!r}).")
+    entry = _pick_analysis_model(analysis, model_dir)
+    source_root = analysis_json.parent
+    target_root = model_dir / ANALYSIS_SUBDIR
+    plots = dict((entry or {}).get("plots") or {})
+    plots.update({f"comparison: {k}": v for k, v in (analysis.get("comparison_plots") or {}).items()})
+    copied: dict[str, str] = {}
+    if source_root.resolve() != target_root.resolve():
+        target_root.mkdir(parents=True, exist_ok=True)
+        for title, relative in plots.items():
+            source = source_root / relative
+            if not source.is_file():
+                raise FileNotFoundError(f"{analysis_json} lists plot {relative!r} but {source} is missing.")
+            name = relative.replace("/", "__")
+            shutil.copyfile(source, target_root / name)
+            copied[title] = f"{ANALYSIS_SUBDIR}/{name}"
+        shutil.copyfile(analysis_json, target_root / "analysis.json")
+    else:
+        copied = {title: f"{ANALYSIS_SUBDIR}/{relative}" for title, relative in plots.items()}
+    entry = dict(entry or {}, card_plots=copied)
+    return analysis, entry
+
+
+def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
+    settings = analysis.get("settings", {})
+    scale = entry.get("scale_sensitivity", {})
+    first = entry.get("first_token_mass", {})
+    contrast = entry.get("evidence_contrast", {})
+    return {
+        "text_description": (
+            f"{settings.get('num_windows', '?')} windows of {settings.get('max_tokens', '?')} tokens of "
+            f"{Path(str(settings.get('text_file') or 'text')).name}"
+        ),
+        "scale_summary": [
+            {"scale": s, "value": f"{v:.4g}"} for s, v in sorted((scale.get("mean") or {}).items(), key=lambda x: float(x[0]))
+        ],
+        "first_token_mass": f"{first.get('mean', float('nan')):.4f}",
+        "uniform_reference": f"{first.get('uniform_reference', float('nan')):.4f}",
+        "contrast_summary": [
+            {
+                "length": values.get("tokens_mean", length),
+                "mean": f"{values['mean_log2_lift']:.3f}",
+                "best": f"{values['max_head_log2_lift']:.3f}",
+            }
+            for length, values in sorted((contrast.get("by_length") or {}).items(), key=lambda x: int(x[0]))
+        ],
+        "plots": [
+            {"title": title.replace("_", " ").capitalize(), "path": path}
+            for title, path in (entry.get("card_plots") or {}).items()
+        ],
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# the card
+# --------------------------------------------------------------------------------------------------
+
+
+def render_model_card(
+    model_dir: str | Path,
+    *,
+    provenance: dict | None = None,
+    eval_results: str | Path | None = None,
+    analysis_dir: str | Path | None = None,
+    license: str | None = None,
+    model_name: str | None = None,
+    template: str | Path | None = None,
+) -> ModelCard:
+    """Build (without writing README.md) the card of the checkpoint in ``model_dir``; see ``write_model_card``."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist; `model_dir` must be a saved checkpoint folder.")
+    config = _read_json(config_path, "config.json")
+    records = load_provenance(model_dir, provenance)
+    qk_mode = config.get("qk_mode", "standard") if config.get("model_type") == "qkmap" else "standard"
+    name = model_name or model_dir.resolve().name
+    base_model = _base_model(records)
+    results = load_lm_eval_results(eval_results) if eval_results is not None else None
+    analysis_ctx, phase_rows, phase_regime = None, [], None
+    if analysis_dir is not None:
+        analysis, entry = _import_analysis(Path(analysis_dir), model_dir)
+        analysis_ctx = _analysis_context(analysis, entry)
+        phase_rows, phase_regime = _phase_rows(entry)
+
+    license = license or next((r["license"] for r in records.values() if isinstance(r.get("license"), str)), None)
+    tags = list(BASE_TAGS) + [f"qk-mode-{qk_mode.replace('_', '-')}"]
+    if config.get("model_type") != "qkmap":
+        tags.remove("custom_code")
+    card_data = ModelCardData(
+        language="en",
+        license=license or DEFAULT_LICENSE,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+        base_model=base_model,
+        datasets=_datasets(records),
+        model_name=name,
+        eval_results=eval_results_for_card(results) if results else None,
+    )
+    architecture = ", ".join(f"{key}={config[key]}" for key in _ARCHITECTURE_FIELDS if key in config)
+    kind = "converted from " + base_model if base_model else ("trained" if "training" in records else "built")
+    summary = (
+        f"A {config.get('num_hidden_layers', '?')}-layer causal language model with `{qk_mode}` attention, "
+        f"{kind} with qkmap-hf."
+    )
+    card = ModelCard.from_template(
+        card_data,
+        template_path=str(template or template_path()),
+        model_id=name,
+        summary=summary,
+        qk_mode=qk_mode,
+        mode_description=_MODE_DESCRIPTIONS.get(qk_mode, qk_mode),
+        architecture_line=architecture,
+        qkmap_version=__version__,
+        settings=_settings(config),
+        phase_rows=phase_rows,
+        phase_regime=phase_regime,
+        usage_repo_id=model_name if model_name and _HUB_ID.match(model_name) else f"your-org/{name}",
+        provenance_sections=_provenance_sections(records),
+        eval_rows=eval_rows(results) if results else [],
+        eval_meta={
+            "lm_eval_version": (results or {}).get("lm_eval_version"),
+            "limit": ((results or {}).get("config") or {}).get("limit"),
+        },
+        analysis=analysis_ctx,
+    )
+    return card
+
+
+def write_model_card(
+    model_dir: str | Path,
+    *,
+    provenance: dict | None = None,
+    eval_results: str | Path | None = None,
+    analysis_dir: str | Path | None = None,
+    license: str | None = None,
+    model_name: str | None = None,
+) -> Path:
+    """Write ``model_dir/README.md``: QK-MAP settings from config.json, provenance, lm-eval scores, analysis plots.
+
+    Args:
+        model_dir: a saved checkpoint folder (config.json required).
+        provenance: an extra record (see module docstring); ``qkmap_conversion.json``/``qkmap_training.json``
+            in ``model_dir`` are read anyway.
+        eval_results: an lm-eval ``results_*.json`` or the ``--output-path`` folder holding them.
+        analysis_dir: the ``--output-dir`` of ``qkmap analyze``; its plots are copied into ``model_dir/analysis``.
+        license: card license; default: a ``license`` field of the provenance records, else apache-2.0.
+        model_name: name in the card and ``model-index`` (e.g. the Hub repo id); default: the folder name.
+
+    Returns the README path. The card is parsed back with ``ModelCard.load`` before it replaces any old README.
+    """
+    model_dir = Path(model_dir)
+    card = render_model_card(
+        model_dir,
+        provenance=provenance,
+        eval_results=eval_results,
+        analysis_dir=analysis_dir,
+        license=license,
+        model_name=model_name,
+    )
+    text = str(card)
+    ModelCard(text, ignore_metadata_errors=False)  # fails here, not on the Hub, if the metadata does not parse
+    readme = model_dir / "README.md"
+    _atomic_write_text(readme, text)
+    return readme
+
+
+__all__ = [
+    "eval_results_for_card",
+    "eval_rows",
+    "load_lm_eval_results",
+    "load_provenance",
+    "render_model_card",
+    "template_path",
+    "write_model_card",
+]

@@ -1,0 +1,27 @@
+"""``qkmap train``: pretrain a size preset or up-train a checkpoint (see qkmap_hf/training/trainer.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Train a size preset from scratch or up-train a checkpoint (Trainer; DDP/FSDP under torchrun; --lora)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..training.trainer import add_train_arguments
+
+    add_train_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
+
+    from ..training.trainer import TrainOptions, train
+
+    result = train(TrainOptions.from_args(args))
+    eval_loss = result.eval_metrics.get("eval_loss")
+    summary = f"saved to {result.output_dir}"
+    if eval_loss is not None:
+        summary += f"; held-out loss {eval_loss:.4f}, perplexity {result.eval_metrics.get('eval_perplexity', 0):.3f}"
+    print(summary)
+    return 0

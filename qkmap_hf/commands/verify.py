@@ -1,0 +1,55 @@
+"""``qkmap verify``: compare a converted checkpoint with its source (``qkmap_hf.verify.verify_conversion``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "Compare a converted QK-MAP checkpoint with its source: perplexity, KL, logits, greedy generation, phases."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "src", metavar="SRC", help="source checkpoint folder (or a folder with a GGUF, see --gguf-file)"
+    )
+    parser.add_argument("dst", metavar="DST", help="converted checkpoint folder")
+    parser.add_argument("--text", required=True, metavar="FILE", help="plain-text file to evaluate on")
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens of FILE to evaluate (default 512)")
+    parser.add_argument("--generate-tokens", type=int, default=64, help="greedy tokens to compare (default 64)")
+    parser.add_argument("--gguf-file", default=None, metavar="NAME", help="GGUF file inside SRC")
+    parser.add_argument(
+        "--json", default=None, metavar="PATH", help="write the report here (default DST/verification.json)"
+    )
+    parser.add_argument("--no-save", action="store_true", help="print only; write no JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..verify import verify_conversion
+
+    if not Path(args.text).is_file():
+        print(f"qkmap verify: error: --text {args.text}: no such file", file=sys.stderr)
+        return 2
+    report = verify_conversion(
+        args.src,
+        args.dst,
+        Path(args.text),
+        max_tokens=args.max_tokens,
+        generate_tokens=args.generate_tokens,
+        source_gguf_file=args.gguf_file,
+    )
+    print(report.table())
+    if not args.no_save:
+        path = report.save(args.json or Path(args.dst) / "verification.json")
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qkmap verify", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""lm-eval integration: the ``qkmap`` model type (an ``HFLM`` subclass) and the bundled offline task pack.
+
+lm-eval has no entry-point discovery, so importing this module is what registers ``--model qkmap``;
+``qkmap eval`` imports it and then hands over to lm-eval's own CLI. From Python::
+
+    import lm_eval, qkmap_hf.lm_eval
+    lm_eval.simple_evaluate(model="qkmap", model_args={"pretrained": "path/or/repo"}, tasks=["qkmap_next_line"],
+                           task_manager=qkmap_hf.lm_eval.task_manager())
+
+What ``qkmap`` adds to ``hf``:
+
+- QK-MAP checkpoints load without ``trust_remote_code`` (the installed package provides the classes); pass
+  ``trust_remote_code=True`` to run the modeling files saved with the checkpoint instead.
+- ``attn_implementation`` (eager, sdpa, flash_attention_2/3, flex_attention, or a Hub kernel ``org/name``) and
+  ``dtype`` (``torch_dtype`` accepted as an alias) are checked before loading.
+- Keys that would otherwise travel silently into ``from_pretrained`` and from there into the model config are
+  refused with an error naming them; ``qk_mode`` and the ``qkmap_*`` config fields are properties of the trained
+  weights, not evaluation options.
+- The device defaults to CUDA when available, else CPU (``hf`` defaults to ``cuda`` unconditionally).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import lm_eval.models  # noqa: F401  (registers lm-eval's own models lazily before ours is added)
+import torch
+from lm_eval.api.registry import model_registry, register_model
+from lm_eval.models.huggingface import HFLM
+
+import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the transformers Auto classes)
+
+from .modeling.configuration_qkmap import QKMapConfig
+from .tasks import TAG, TASK_NAMES, task_pack_dir
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "qkmap"
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+# Extra keyword arguments forwarded to `from_pretrained` (HFLM's own parameters are accepted as well).
+FROM_PRETRAINED_KWARGS = frozenset(
+    {
+        "attn_implementation",
+        "device_map",
+        "max_memory",
+        "offload_buffers",
+        "cache_dir",
+        "local_files_only",
+        "token",
+        "use_safetensors",
+        "variant",
+        "key_mapping",
+        "use_kernels",
+        "disable_mmap",
+        "weights_only",
+        "load_in_8bit",
+        "load_in_4bit",
+        "bnb_4bit_compute_dtype",
+        "bnb_4bit_quant_type",
+        "bnb_4bit_use_double_quant",
+    }
+)
+_HFLM_PARAMETERS = frozenset(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs"}
+_CONFIG_FIELDS = frozenset({"qk_mode"} | {name for name in vars(QKMapConfig) if name.startswith("qkmap_")})
+
+
+def task_manager(**kwargs: Any):
+    """An lm-eval ``TaskManager`` that also knows the bundled tasks (``include_path`` = ``task_pack_dir()``)."""
+    from lm_eval.tasks import TaskManager
+
+    extra = kwargs.pop("include_path", None)
+    paths = [str(task_pack_dir())] + ([] if extra is None else [str(p) for p in (extra if isinstance(extra, (list, tuple)) else [extra])])
+    return TaskManager(include_path=paths, **kwargs)
+
+
+def split_model_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``model_args`` into (HFLM arguments, ``from_pretrained`` extras); raise on keys that fit neither."""
+    kwargs = dict(kwargs)
+    if "torch_dtype" in kwargs:
+        if "dtype" in kwargs:
+            raise ValueError("model_args has both dtype and torch_dtype; pass only dtype.")
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    config_fields = sorted(_CONFIG_FIELDS & kwargs.keys())
+    if config_fields:
+        raise ValueError(
+            f"model_args {', '.join(config_fields)} are QK-MAP config fields fixed by the trained weights, not "
+            "evaluation options; evaluate a checkpoint that was converted or trained with them instead."
+        )
+    unknown = sorted(kwargs.keys() - _HFLM_PARAMETERS - FROM_PRETRAINED_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"model_args {', '.join(unknown)} are not understood by the qkmap model type and would reach the model "
+            f"config unchecked. Accepted: lm-eval's hf arguments ({', '.join(sorted(_HFLM_PARAMETERS))}) and "
+            f"from_pretrained options ({', '.join(sorted(FROM_PRETRAINED_KWARGS))})."
+        )
+    implementation = kwargs.get("attn_implementation")
+    if implementation is not None and implementation not in ATTN_IMPLEMENTATIONS and "/" not in str(implementation):
+        raise ValueError(
+            f"model_args attn_implementation={implementation!r} is unknown; use one of "
+            f"{', '.join(ATTN_IMPLEMENTATIONS)} or a Hub kernel such as kernels-community/flash-attn."
+        )
+    hflm = {k: v for k, v in kwargs.items() if k in _HFLM_PARAMETERS}
+    extras = {k: v for k, v in kwargs.items() if k not in _HFLM_PARAMETERS}
+    return hflm, extras
+
+
+class QKMapLM(HFLM):
+    """lm-eval's ``hf`` model with QK-MAP defaults and strict options (see module docstring)."""
+
+    def __init__(self, pretrained: str | Any, **kwargs: Any) -> None:
+        hflm_kwargs, extras = split_model_kwargs(kwargs)
+        if hflm_kwargs.get("trust_remote_code") is None:
+            hflm_kwargs["trust_remote_code"] = False  # the installed package provides the QK-MAP classes
+        if hflm_kwargs.get("device") is None:
+            hflm_kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        if isinstance(pretrained, Path):
+            pretrained = str(pretrained)
+        super().__init__(pretrained, **hflm_kwargs, **extras)
+        model = self.model
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) == "qkmap":
+            source = "checkpoint files (trust_remote_code)" if type(model).__module__.startswith("transformers_modules") else "qkmap_hf"
+            logger.info(
+                "Evaluating a QK-MAP checkpoint: qk_mode=%s, attn_implementation=%s, dtype=%s, code from %s",
+                config.qk_mode,
+                getattr(config, "_attn_implementation", None),
+                next(model.parameters()).dtype,
+                source,
+            )
+
+    def _get_backend(self, config, backend="default", trust_remote_code=False) -> None:
+        # "qkmap" is registered with AutoModelForCausalLM at runtime, not in transformers' static name tables.
+        if backend == "default" and getattr(config, "model_type", None) == "qkmap":
+            backend = "causal"
+        super()._get_backend(config=config, backend=backend, trust_remote_code=trust_remote_code)
+
+
+if MODEL_NAME not in model_registry:
+    register_model(MODEL_NAME)(QKMapLM)
+
+
+__all__ = [
+    "MODEL_NAME",
+    "QKMapLM",
+    "TAG",
+    "TASK_NAMES",
+    "split_model_kwargs",
+    "task_manager",
+    "task_pack_dir",
+]

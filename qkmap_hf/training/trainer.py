@@ -1,0 +1,504 @@
+"""``qkmap train``: pretrain a size preset or up-train a checkpoint with transformers' Trainer.
+
+One function, ``train(options)``, serves ``qkmap train``, ``python -m qkmap_hf.train`` under ``torchrun`` or
+``accelerate launch`` (the Trainer reads the launcher's environment and runs DDP; ``--fsdp`` shards by decoder
+layer) and ``qkmap compare`` (which passes pre-built datasets so every run sees the same tokens).
+
+The output folder is a checkpoint ready for ``qkmap push``: weights, config, the modeling files (so it loads
+with ``trust_remote_code=True`` without this package), the tokenizer, and ``qkmap_training.json`` with what
+produced it. With ``--lora`` the merged model goes there and the adapter into ``OUT/adapter``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
+from .optim import QKMAP_LR_MULTIPLIER, QKMapTrainer, classify_parameters
+from .presets import PRESETS, get_preset, preset_config
+
+logger = logging.getLogger(__name__)
+
+PROVENANCE_FILE = "qkmap_training.json"
+ADAPTER_SUBDIR = "adapter"
+DEFAULT_CHECKPOINT_LR = 1e-4
+DEFAULT_CHECKPOINT_BATCH = 8
+DEFAULT_CHECKPOINT_BLOCK = 1024
+
+
+@dataclass
+class TrainOptions:
+    """Everything ``qkmap train`` accepts; field names match the command-line flags (``--max-steps``...)."""
+
+    model: str
+    data: list[str]
+    output_dir: str
+    qk_mode: str = "qk_map"
+    config: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    text_field: str = "text"
+    block_size: int | None = None
+    max_tokens: int | None = None
+    eval_fraction: float = 0.05
+    max_eval_blocks: int | None = 256
+    split_seed: int = 0
+    max_steps: int = -1
+    num_train_epochs: float = 1.0
+    batch_size: int | None = None
+    eval_batch_size: int | None = None
+    gradient_accumulation_steps: int = 1
+    learning_rate: float | None = None
+    qkmap_learning_rate: float | None = None
+    qkmap_lr_multiplier: float = QKMAP_LR_MULTIPLIER
+    weight_decay: float = 0.1
+    qkmap_weight_decay: float = 0.0
+    adam_beta2: float = 0.95
+    lr_scheduler: str = "cosine"
+    warmup: float = 0.05
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    bf16: str = "auto"
+    gradient_checkpointing: bool = False
+    logging_steps: float = 10
+    eval_steps: float = 0.1
+    eval_on_start: bool = True
+    save_steps: float = 0.1
+    save_total_limit: int | None = 2
+    resume: str | None = None
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
+    lora_train_qk: bool = True
+    attn_implementation: str = "sdpa"
+    fsdp: str = ""
+    dataloader_num_workers: int = 0
+    report_to: str = "none"
+    disable_tqdm: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainOptions:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in known}
+        values["config"] = parse_overrides(getattr(args, "config", None) or [])
+        return cls(**values)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the output folder, the Trainer's log history and the final metrics."""
+
+    output_dir: str
+    log_history: list[dict]
+    train_metrics: dict
+    eval_metrics: dict
+    data: dict
+    wall_seconds: float
+
+
+# --------------------------------------------------------------------------------------------------
+# Command-line flags (shared by `qkmap train` and `python -m qkmap_hf.train`)
+# --------------------------------------------------------------------------------------------------
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> dict; values are JSON when they parse (numbers, true, null), else strings."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--config {item!r} must look like FIELD=VALUE, e.g. qkmap_min_frequency=0.1.")
+        overrides[key.strip()] = _parse_value(value.strip())
+    return overrides
+
+
+def _float_or_int(text: str) -> float:
+    value = float(text)
+    return int(value) if value >= 1 and value.is_integer() else value
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``qkmap train`` (also used by ``python -m qkmap_hf.train``)."""
+    d = TrainOptions("", [], "")
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", required=True, help=f"a size preset ({', '.join(PRESETS)}) or a checkpoint folder")
+    g.add_argument("--qk-mode", default=d.qk_mode, choices=("standard", "qk_norm", "qk_map"), help="presets only")
+    g.add_argument("--config", action="append", metavar="FIELD=VALUE",
+                   help="QKMapConfig field for a preset (or a config override for a checkpoint); repeatable")
+    g.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's; byte-level for presets)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow custom code of non-qkmap checkpoints")
+    g.add_argument("--attn-implementation", default=d.attn_implementation)
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data", nargs="+", required=True, metavar="PATH",
+                   help="text files, folders of them, JSONL files, or datasets save_to_disk folders")
+    g.add_argument("--text-field", default=d.text_field, help="JSONL field / dataset column with the text")
+    g.add_argument("--block-size", type=int, help="tokens per packed block (default: the preset's, or 1024)")
+    g.add_argument("--max-tokens", type=int, help="read at most this many tokens")
+    g.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="held-out share of the blocks")
+    g.add_argument("--max-eval-blocks", type=int, default=d.max_eval_blocks, help="cap on held-out blocks")
+    g.add_argument("--split-seed", type=int, default=d.split_seed, help="seed of the held-out split")
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--output-dir", required=True)
+    g.add_argument("--max-steps", type=int, default=d.max_steps, help="optimizer steps (default: one epoch)")
+    g.add_argument("--num-train-epochs", type=float, default=d.num_train_epochs)
+    g.add_argument("--batch-size", type=int, help="per-device batch (default: the preset's, or 8)")
+    g.add_argument("--eval-batch-size", type=int)
+    g.add_argument("--gradient-accumulation-steps", type=int, default=d.gradient_accumulation_steps)
+    g.add_argument("--learning-rate", type=float, help="base learning rate (default: the preset's, or 1e-4)")
+    g.add_argument("--qkmap-learning-rate", type=float, help="learning rate of QK-MAP frequencies and gains")
+    g.add_argument("--qkmap-lr-multiplier", type=float, default=d.qkmap_lr_multiplier,
+                   help="QK-MAP learning rate as a multiple of the base (when --qkmap-learning-rate is not given)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--qkmap-weight-decay", type=float, default=d.qkmap_weight_decay)
+    g.add_argument("--adam-beta2", type=float, default=d.adam_beta2)
+    g.add_argument("--lr-scheduler", default=d.lr_scheduler)
+    g.add_argument("--warmup", type=_float_or_int, default=d.warmup, help="warm-up steps, or a fraction if < 1")
+    g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--bf16", default=d.bf16, choices=("auto", "yes", "no"), help="auto: on where the GPU supports it")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--logging-steps", type=_float_or_int, default=d.logging_steps)
+    g.add_argument("--eval-steps", type=_float_or_int, default=d.eval_steps, help="steps, or fraction of the run")
+    g.add_argument("--no-eval-on-start", dest="eval_on_start", action="store_false")
+    g.add_argument("--save-steps", type=_float_or_int, default=d.save_steps, help="0 saves only at the end")
+    g.add_argument("--save-total-limit", type=int, default=d.save_total_limit)
+    g.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                   help="continue from the latest checkpoint-* in --output-dir, or from the folder given")
+    g.add_argument("--fsdp", default=d.fsdp, help='e.g. "full_shard auto_wrap": shards by decoder layer')
+    g.add_argument("--dataloader-num-workers", type=int, default=d.dataloader_num_workers)
+    g.add_argument("--report-to", default=d.report_to, help="Trainer integrations (none, tensorboard, wandb...)")
+    g.add_argument("--disable-tqdm", action="store_true")
+
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--lora", action="store_true", help="train a LoRA adapter (+ the QK-MAP parameters)")
+    g.add_argument("--lora-r", type=int, default=d.lora_r)
+    g.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    g.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    g.add_argument("--lora-target-modules", nargs="+", help="default: peft's defaults for the model type")
+    g.add_argument("--no-lora-train-qk", dest="lora_train_qk", action="store_false",
+                   help="freeze QK-MAP frequencies/gains (or QK-Norm weights) under LoRA")
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def is_preset(model: str) -> bool:
+    """A preset name that is not also an existing folder."""
+    return model in PRESETS and not Path(model).exists()
+
+
+def load_tokenizer(options: TrainOptions):
+    """``--tokenizer``, else the checkpoint's tokenizer, else (presets) the byte-level tokenizer."""
+    from transformers import AutoTokenizer
+
+    source = options.tokenizer or (None if is_preset(options.model) else options.model)
+    if source is None:
+        return byte_level_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"no tokenizer could be loaded from {source}; pass --tokenizer DIR. ({error})") from error
+
+
+def build_model(options: TrainOptions, tokenizer, block_size: int):
+    """A fresh preset model (seeded) or the checkpoint in ``options.model``, in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+
+    set_seed(options.seed)
+    if is_preset(options.model):
+        config = preset_config(
+            options.model,
+            options.qk_mode,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=max(block_size, get_preset(options.model).block_size),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **options.config,
+        )
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation=options.attn_implementation, dtype=torch.float32
+        )
+    path = Path(options.model)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"--model {options.model} is neither a size preset ({', '.join(PRESETS)}) nor a checkpoint folder with "
+            "config.json."
+        )
+    config = AutoConfig.from_pretrained(path, trust_remote_code=options.trust_remote_code, **options.config)
+    return AutoModelForCausalLM.from_pretrained(
+        path,
+        config=config,
+        dtype=torch.float32,
+        attn_implementation=options.attn_implementation,
+        trust_remote_code=options.trust_remote_code,
+    )
+
+
+def resolve_defaults(options: TrainOptions, model_config=None) -> dict[str, Any]:
+    """Block size, batch size and learning rate: flag, else the preset's, else the checkpoint defaults."""
+    preset = get_preset(options.model) if is_preset(options.model) else None
+    block = options.block_size or (preset.block_size if preset else None)
+    if block is None:
+        limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_CHECKPOINT_BLOCK
+        block = min(DEFAULT_CHECKPOINT_BLOCK, limit)
+    return {
+        "block_size": block,
+        "batch_size": options.batch_size or (preset.batch_size if preset else DEFAULT_CHECKPOINT_BATCH),
+        "learning_rate": options.learning_rate or (preset.learning_rate if preset else DEFAULT_CHECKPOINT_LR),
+    }
+
+
+def bf16_enabled(setting: str) -> bool:
+    """``auto``: only on a GPU with native bf16 (CPU autocast in bf16 is slower than float32 here)."""
+    if setting == "yes":
+        return True
+    if setting == "no":
+        return False
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def training_arguments(options: TrainOptions, resolved: dict[str, Any], model, has_eval: bool):
+    """transformers ``TrainingArguments`` for ``options``."""
+    from transformers import TrainingArguments
+
+    on_cpu = not torch.cuda.is_available() and not (
+        hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    )
+    fsdp_config = None
+    if options.fsdp:
+        layer_classes = list(getattr(model, "_no_split_modules", None) or [])
+        fsdp_config = {"transformer_layer_cls_to_wrap": layer_classes} if layer_classes else None
+    save_steps = options.save_steps
+    return TrainingArguments(
+        output_dir=options.output_dir,
+        max_steps=options.max_steps if options.max_steps and options.max_steps > 0 else -1,
+        num_train_epochs=options.num_train_epochs,
+        per_device_train_batch_size=resolved["batch_size"],
+        per_device_eval_batch_size=options.eval_batch_size or resolved["batch_size"],
+        gradient_accumulation_steps=options.gradient_accumulation_steps,
+        learning_rate=resolved["learning_rate"],
+        weight_decay=options.weight_decay,
+        adam_beta2=options.adam_beta2,
+        lr_scheduler_type=options.lr_scheduler,
+        warmup_steps=options.warmup,
+        max_grad_norm=options.max_grad_norm,
+        seed=options.seed,
+        data_seed=options.seed,
+        bf16=bf16_enabled(options.bf16),
+        activation_checkpointing=options.gradient_checkpointing,
+        logging_steps=options.logging_steps,
+        logging_first_step=True,
+        eval_strategy="steps" if has_eval else "no",
+        eval_steps=options.eval_steps if has_eval else None,
+        eval_on_start=options.eval_on_start and has_eval,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        save_total_limit=options.save_total_limit,
+        report_to=options.report_to,
+        disable_tqdm=options.disable_tqdm,
+        dataloader_num_workers=options.dataloader_num_workers,
+        use_cpu=on_cpu,
+        ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        fsdp=options.fsdp,
+        fsdp_config=fsdp_config,
+    )
+
+
+def resume_checkpoint(options: TrainOptions) -> str | None:
+    """The checkpoint folder ``--resume`` names (``latest``: the newest ``checkpoint-*`` in the output dir)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if not options.resume:
+        return None
+    if options.resume != "latest":
+        if not Path(options.resume).is_dir():
+            raise FileNotFoundError(f"--resume {options.resume}: no such checkpoint folder.")
+        return options.resume
+    last = get_last_checkpoint(options.output_dir) if Path(options.output_dir).is_dir() else None
+    if last is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint-* folder in {options.output_dir}; run without --resume, or pass the "
+            "checkpoint folder to resume from."
+        )
+    return last
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from ..version import __version__
+
+    versions = {"qkmap_hf": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    for name in ("peft", "accelerate", "datasets"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return versions
+
+
+def _final_save(trainer, model, tokenizer, options: TrainOptions) -> None:
+    """Full checkpoint into the output dir (LoRA: adapter into OUT/adapter, merged model into OUT)."""
+    output_dir = Path(options.output_dir)
+    if options.lora:
+        if trainer.is_world_process_zero():
+            model.save_pretrained(output_dir / ADAPTER_SUBDIR)
+            tokenizer.save_pretrained(output_dir / ADAPTER_SUBDIR)
+            merged = model.merge_and_unload()
+            merged.config.use_cache = True
+            merged.save_pretrained(output_dir)
+            tokenizer.save_pretrained(output_dir)
+        return
+    model.config.use_cache = True  # the Trainer turns the cache off for training; generation wants it
+    trainer.save_model(str(output_dir))  # handles FSDP gathering and saves on the main process only
+
+
+def _write_provenance(path: Path, options: TrainOptions, resolved: dict, data: DataStats, model, result: TrainResult,
+                      world_size: int, resumed_from: str | None) -> None:
+    config = getattr(model, "config", None)
+    groups = {name: sum(p.numel() for _, p in members) for name, members in classify_parameters(model).items()}
+    record = {
+        "command": "qkmap train",
+        "options": asdict(options),
+        "resolved": resolved,
+        "resumed_from": resumed_from,
+        "world_size": world_size,
+        "model": {
+            "model_type": getattr(config, "model_type", None),
+            "qk_mode": getattr(config, "qk_mode", None),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable_parameters_by_group": groups,
+        },
+        "data": data.to_dict(),
+        "train_metrics": result.train_metrics,
+        "eval_metrics": result.eval_metrics,
+        "log_history": result.log_history,
+        "wall_seconds": result.wall_seconds,
+        "versions": _versions(),
+    }
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def train(
+    options: TrainOptions,
+    *,
+    datasets: tuple[PackedDataset, PackedDataset | None, DataStats] | None = None,
+    tokenizer=None,
+    callbacks: list | None = None,
+    save: bool = True,
+) -> TrainResult:
+    """Train as ``options`` say; ``datasets``/``tokenizer`` skip reading data again (``qkmap compare``).
+
+    ``save=False`` writes nothing but the provenance file (the comparison keeps only its numbers).
+    """
+    started = time.time()
+    if options.lora and options.fsdp:
+        raise ValueError("--lora with --fsdp is not supported by qkmap train (merging needs the full weights); use DDP.")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
+    model_config = None
+    if not is_preset(options.model) and Path(options.model, "config.json").exists():
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
+    resolved = resolve_defaults(options, model_config)
+    if datasets is None:
+        datasets = build_datasets(
+            options.data,
+            tokenizer,
+            resolved["block_size"],
+            text_field=options.text_field,
+            eval_fraction=options.eval_fraction,
+            max_eval_blocks=options.max_eval_blocks,
+            split_seed=options.split_seed,
+            max_tokens=options.max_tokens,
+        )
+    train_dataset, eval_dataset, data_stats = datasets
+    has_eval = eval_dataset is not None and len(eval_dataset) > 0
+
+    model = build_model(options, tokenizer, resolved["block_size"])
+    if options.lora:
+        from .peft_support import apply_lora
+
+        model = apply_lora(
+            model,
+            r=options.lora_r,
+            lora_alpha=options.lora_alpha,
+            lora_dropout=options.lora_dropout,
+            target_modules=options.lora_target_modules,
+            train_qk_parameters=options.lora_train_qk,
+        )
+    qkmap_lr = options.qkmap_learning_rate or options.qkmap_lr_multiplier * resolved["learning_rate"]
+    resolved["qkmap_learning_rate"] = qkmap_lr
+
+    args = training_arguments(options, resolved, model, has_eval)
+    trainer = QKMapTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if has_eval else None,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        qkmap_learning_rate=qkmap_lr,
+        qkmap_weight_decay=options.qkmap_weight_decay,
+    )
+    resumed_from = resume_checkpoint(options)
+    train_output = trainer.train(resume_from_checkpoint=resumed_from)
+    eval_metrics: dict = {}
+    if has_eval:
+        last_eval = [h for h in trainer.state.log_history if "eval_loss" in h]
+        if last_eval and last_eval[-1]["step"] == trainer.state.global_step:
+            eval_metrics = {k: v for k, v in last_eval[-1].items() if k.startswith("eval_") or k == "step"}
+        else:
+            eval_metrics = trainer.evaluate()
+    if save:
+        _final_save(trainer, model, tokenizer, options)
+    result = TrainResult(
+        output_dir=options.output_dir,
+        log_history=list(trainer.state.log_history),
+        train_metrics=dict(train_output.metrics),
+        eval_metrics=dict(eval_metrics),
+        data=data_stats.to_dict(),
+        wall_seconds=time.time() - started,
+    )
+    if trainer.is_world_process_zero():
+        Path(options.output_dir).mkdir(parents=True, exist_ok=True)
+        _write_provenance(
+            Path(options.output_dir) / PROVENANCE_FILE, options, resolved, data_stats, model, result,
+            trainer.args.world_size, resumed_from,
+        )
+        if has_eval:
+            loss = eval_metrics.get("eval_loss")
+            logger.info("held-out loss %.4f, perplexity %.3f", loss, math.exp(min(loss, 50.0)))
+    return result
+
+
+__all__ = ["TrainOptions", "TrainResult", "add_train_arguments", "parse_overrides", "train"]

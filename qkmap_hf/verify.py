@@ -1,0 +1,293 @@
+"""Check a converted model against its source on real text: is the conversion exact, and how far did it drift?
+
+``verify_conversion`` runs both models in float32 over the same tokens and reports perplexities, per-token
+KL(source || converted) (float64 over log-softmax), the largest logit difference and greedy-generation
+agreement. It also records, per QK-MAP layer, the typical phase ``omega * |z|`` of queries and keys (hooks on
+``q_proj``/``k_proj``): below ~0.1 the sine is linear and the model is standard attention in disguise (an
+exact conversion); near 1 and above the periodic features are really in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LINEAR_PHASE = 0.1  # sin(x) = x (1 - x^2/6): 0.2 % off at 0.1
+PERIODIC_PHASE = 1.0
+
+
+@dataclasses.dataclass
+class VerificationReport:
+    """The numbers of one source/converted comparison (``to_json`` for files, ``table`` for people)."""
+
+    source: str
+    converted: str
+    tokens_evaluated: int
+    source_perplexity: float
+    converted_perplexity: float
+    mean_kl: float
+    max_kl: float
+    max_logit_diff: float
+    greedy_tokens: int
+    greedy_matching: int
+    first_divergence: int | None
+    dtype: str = "float32"
+    qkmap_init: str | None = None
+    qkmap_exact_frequency: float | None = None
+    phase: dict[str, Any] | None = None
+
+    @property
+    def greedy_identical(self) -> bool:
+        return self.first_divergence is None
+
+    @property
+    def greedy_agreement(self) -> float:
+        return self.greedy_matching / self.greedy_tokens if self.greedy_tokens else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["greedy_identical"] = self.greedy_identical
+        data["greedy_agreement"] = self.greedy_agreement
+        return data
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers (for provenance records and model cards)."""
+        data = self.to_dict()
+        data.pop("phase")
+        if self.phase:
+            data["phase_regime"] = self.phase["regime"]
+            data["phase_median_max"] = self.phase["max_median"]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json(), encoding="utf-8")
+        return path
+
+    def table(self) -> str:
+        rows = [
+            ("tokens evaluated", f"{self.tokens_evaluated} ({self.dtype})"),
+            ("perplexity, source", f"{self.source_perplexity:.4f}"),
+            ("perplexity, converted", f"{self.converted_perplexity:.4f}"),
+            ("KL(source||converted) per token, mean", f"{self.mean_kl:.3e}"),
+            ("KL(source||converted) per token, max", f"{self.max_kl:.3e}"),
+            ("max |logit difference|", f"{self.max_logit_diff:.3e}"),
+            (
+                f"greedy generation, {self.greedy_tokens} tokens",
+                f"{self.greedy_matching}/{self.greedy_tokens} match"
+                + (" (identical)" if self.greedy_identical else f" (first divergence at {self.first_divergence})"),
+            ),
+        ]
+        if self.qkmap_init is not None:
+            init = self.qkmap_init + (f", omega_0={self.qkmap_exact_frequency:g}" if self.qkmap_init == "exact" else "")
+            rows.insert(0, ("converted init", init))
+        if self.phase:
+            medians = [layer["query"]["median"] for layer in self.phase["layers"]] + [
+                layer["key"]["median"] for layer in self.phase["layers"]
+            ]
+            rows.append(
+                (
+                    "phase omega*|z|, per-layer medians",
+                    f"{min(medians):.3g} .. {max(medians):.3g} ({self.phase['regime']})",
+                )
+            )
+        width = max(len(name) for name, _ in rows)
+        lines = [f"Conversion check: {self.source} -> {self.converted}"]
+        lines += [f"  {name.ljust(width)}  {value}" for name, value in rows]
+        return "\n".join(lines)
+
+
+def _read_text(text: str | os.PathLike) -> str:
+    if isinstance(text, os.PathLike) or (
+        isinstance(text, str) and len(text) < 4096 and "\n" not in text and os.path.isfile(text)
+    ):
+        return Path(text).read_text(encoding="utf-8", errors="replace")
+    return str(text)
+
+
+def _load(model_or_path: Any, gguf_file: str | None = None):
+    """A model in eval mode: ``PreTrainedModel`` as given, a path loaded in float32 (GGUF or safetensors)."""
+    if isinstance(model_or_path, torch.nn.Module):
+        return model_or_path.eval(), None
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_or_path)
+    if gguf_file is None and path.is_file() and path.suffix == ".gguf":
+        path, gguf_file = path.parent, path.name
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(), (path, gguf_file)
+
+
+def regime(max_median_phase: float) -> str:
+    if max_median_phase < LINEAR_PHASE:
+        return "linear: standard attention in disguise"
+    if max_median_phase < PERIODIC_PHASE:
+        return "transitional"
+    return "periodic"
+
+
+class _PhaseRecorder:
+    """Forward hooks on q_proj/k_proj of every qk_map layer; record ``omega * |z|`` per layer."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.handles = []
+        self.phases: dict[int, dict[str, torch.Tensor]] = {}
+        for module in model.modules():
+            feature_map = getattr(module, "qk_map", None)
+            if feature_map is None or not hasattr(module, "q_proj"):
+                continue
+            layer = int(getattr(module, "layer_idx", len(self.phases)))
+            for role, projection in (("query", module.q_proj), ("key", module.k_proj)):
+                self.handles.append(projection.register_forward_hook(self._hook(layer, role, module)))
+
+    def _hook(self, layer: int, role: str, attention: torch.nn.Module):
+        def record(_module, _inputs, output: torch.Tensor) -> None:
+            with torch.no_grad():
+                frequency = attention.qk_map.frequency()  # (kv_heads, F, m or 1)
+                kv_heads, m = frequency.shape[0], attention.projection_dim
+                z = output.float().reshape(-1, output.shape[-1] // m, m)  # (tokens, heads, m)
+                groups = z.shape[1] // kv_heads
+                z = z.view(z.shape[0], kv_heads, groups, 1, m)
+                phase = z.abs() * frequency.view(1, kv_heads, 1, frequency.shape[1], -1)
+                self.phases.setdefault(layer, {})[role] = phase.flatten()
+
+        return record
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.phases:
+            return None
+        layers = []
+        for layer in sorted(self.phases):
+            entry: dict[str, Any] = {"layer": layer}
+            for role, values in self.phases[layer].items():
+                quantiles = torch.quantile(
+                    values[:: max(1, values.numel() // 1_000_000)].double(),
+                    torch.tensor([0.5, 0.9], dtype=torch.float64),
+                )
+                entry[role] = {"median": float(quantiles[0]), "p90": float(quantiles[1])}
+            layers.append(entry)
+        max_median = max(max(e["query"]["median"], e["key"]["median"]) for e in layers)
+        return {"layers": layers, "max_median": max_median, "regime": regime(max_median)}
+
+
+@torch.no_grad()
+def verify_conversion(
+    source: Any,
+    converted: Any,
+    text: str | os.PathLike,
+    max_tokens: int = 512,
+    generate_tokens: int = 64,
+    *,
+    tokenizer: Any = None,
+    source_gguf_file: str | None = None,
+    prompt_tokens: int = 32,
+    save_to: str | os.PathLike | None = None,
+    source_label: str | None = None,
+    converted_label: str | None = None,
+) -> VerificationReport:
+    """Compare ``converted`` with ``source`` on ``text`` (a string or a text file).
+
+    ``source``/``converted`` are models or checkpoint folders (loaded in float32; ``source_gguf_file`` for a GGUF
+    source). The tokenizer comes from ``tokenizer``, else the converted folder, else the source folder. Greedy
+    generation continues the first ``prompt_tokens`` tokens for exactly ``generate_tokens`` tokens in both
+    models. ``save_to``: write the report as JSON there (a folder gets ``verification.json``).
+    """
+    from transformers import AutoTokenizer
+
+    source_model, source_ref = _load(source, source_gguf_file)
+    converted_model, converted_ref = _load(converted)
+    if tokenizer is None:
+        for ref in (converted_ref, source_ref):
+            if ref is not None:
+                path, gguf = ref
+                tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+                break
+        else:
+            raise ValueError("verify_conversion needs tokenizer=... when both models are passed as objects.")
+
+    ids = tokenizer(_read_text(text), return_tensors="pt").input_ids[:, :max_tokens]
+    if ids.shape[1] < 2:
+        raise ValueError(f"the text gives {ids.shape[1]} token(s); at least 2 are needed to compare predictions.")
+    device = next(source_model.parameters()).device
+    ids = ids.to(device)
+
+    recorder = _PhaseRecorder(converted_model)
+    try:
+        source_logits = source_model(ids).logits[0].double()
+        converted_logits = (
+            converted_model(ids.to(next(converted_model.parameters()).device)).logits[0].double().to(device)
+        )
+    finally:
+        recorder.remove()
+    source_logp = source_logits.log_softmax(-1)
+    converted_logp = converted_logits.log_softmax(-1)
+    kl = (source_logp.exp() * (source_logp - converted_logp)).sum(-1).clamp_min(0.0)
+    targets = ids[0, 1:]
+
+    def perplexity(logp: torch.Tensor) -> float:
+        return math.exp(-logp[:-1].gather(-1, targets[:, None]).mean().item())
+
+    prompt = ids[:, : max(1, min(prompt_tokens, ids.shape[1] - 1))]
+    generated = []
+    for model in (source_model, converted_model):
+        out = model.generate(
+            prompt.to(next(model.parameters()).device),
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=generate_tokens,
+            min_new_tokens=generate_tokens,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+        generated.append(out[0, prompt.shape[1] :].cpu())
+    a, b = generated
+    length = min(len(a), len(b))
+    matches = (a[:length] == b[:length]).tolist()
+    diverged = [i for i, same in enumerate(matches) if not same]
+    first = diverged[0] if diverged else (None if len(a) == len(b) else length)
+
+    config = getattr(converted_model, "config", None)
+    report = VerificationReport(
+        source=source_label or _label(source, source_ref),
+        converted=converted_label or _label(converted, converted_ref),
+        tokens_evaluated=int(ids.shape[1]),
+        source_perplexity=perplexity(source_logp),
+        converted_perplexity=perplexity(converted_logp),
+        mean_kl=float(kl.mean()),
+        max_kl=float(kl.max()),
+        max_logit_diff=float((source_logits - converted_logits).abs().max()),
+        greedy_tokens=max(len(a), len(b)),
+        greedy_matching=int(sum(matches)),
+        first_divergence=first,
+        dtype=str(next(converted_model.parameters()).dtype).removeprefix("torch."),
+        qkmap_init=getattr(config, "qkmap_init", None),
+        qkmap_exact_frequency=getattr(config, "qkmap_exact_frequency", None),
+        phase=recorder.summary(),
+    )
+    if save_to is not None:
+        target = Path(save_to)
+        report.save(target / "verification.json" if target.is_dir() else target)
+    return report
+
+
+def _label(obj: Any, ref: tuple[Path, str | None] | None) -> str:
+    if ref is not None:
+        path, gguf = ref
+        return str(path / gguf) if gguf else str(path)
+    return getattr(getattr(obj, "config", None), "_name_or_path", None) or type(obj).__name__
+
+
+__all__ = ["VerificationReport", "verify_conversion"]

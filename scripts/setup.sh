@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs qkmap-hf and its dependencies into the current Python.
+# torch first: with no torch installed, a plain dependency on it pulls a multi-GB CUDA build, so the CPU
+# wheel pinned here is installed when torch is missing (on these machines pip takes it from local disk).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+TORCH_CPU_VERSION="${QKMAP_TORCH_VERSION:-2.13.0}"
+
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    echo "[setup] torch missing: installing the CPU build torch==${TORCH_CPU_VERSION}"
+    # Elsewhere, add: --index-url https://download.pytorch.org/whl/cpu (not reachable from our machines).
+    "$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_CPU_VERSION}"
+fi
+echo "[setup] installing qkmap-hf with its extras (train, eval, gguf, dev)"
+"$PYTHON" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
+"$PYTHON" -c "import torch, transformers, qkmap_hf; print(f'[setup] qkmap-hf {qkmap_hf.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
