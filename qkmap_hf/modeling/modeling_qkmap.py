@@ -20,7 +20,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
-
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin

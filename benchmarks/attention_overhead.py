@@ -1,0 +1,252 @@
+"""Side-by-side cost of QK-MAP against standard attention and QK-Norm, in one run on one machine.
+
+Times models of identical size (same layers, widths, heads, vocabulary) that differ only in ``qk_mode``:
+forward and forward+backward tokens/s over sequence lengths, prefill and per-token decode latency with
+the KV cache, saved-activation bytes of a training step and KV-cache bytes. Variants are interleaved
+inside each repeat so that machine noise hits all of them alike; ratios are medians over repeats
+against ``standard`` with the min..max spread. Writes a CSV, a PNG per metric and prints a Markdown table.
+
+    python benchmarks/attention_overhead.py --output-dir docs/benchmarks            # CPU, float32, sdpa
+    python benchmarks/attention_overhead.py --device cuda --dtype bfloat16 --output-dir out  # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import qkmap_hf
+from qkmap_hf import QKMapConfig, QKMapForCausalLM
+
+MODEL_SIZE = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=8192,
+)
+VARIANTS = {
+    "standard": dict(qk_mode="standard"),
+    "qk_norm": dict(qk_mode="qk_norm"),
+    "qk_map_compact": dict(qk_mode="qk_map", qkmap_input_dim=32, qkmap_num_frequencies=1),
+    "qk_map_wide": dict(qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1),
+}
+
+
+def build(variant: str, device: str, dtype: torch.dtype, attn: str) -> QKMapForCausalLM:
+    torch.manual_seed(0)
+    config = QKMapConfig(**MODEL_SIZE, **VARIANTS[variant])
+    model = QKMapForCausalLM(config).to(device=device, dtype=dtype)
+    model.set_attn_implementation(attn)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def saved_activation_bytes(model: QKMapForCausalLM, ids: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward pass: the memory a training step needs beyond the weights."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if not isinstance(tensor, torch.nn.Parameter):
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids, labels=ids)
+    return total
+
+
+def kv_cache_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    models = {name: build(name, args.device, dtype, args.attn) for name in VARIANTS}
+    rows: list[dict] = []
+    for seq_len in args.seq_lens:
+        ids = torch.randint(0, MODEL_SIZE["vocab_size"], (args.batch, seq_len), device=args.device)
+        for name, model in models.items():  # warm-up and the size metrics, once per variant
+            with torch.no_grad():
+                model(ids)
+            model.zero_grad(set_to_none=True)
+            activation = saved_activation_bytes(model, ids) if seq_len <= args.max_train_len else float("nan")
+            rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes", value=activation, repeat=0))
+        for repeat in range(args.repeats):
+            for name, model in models.items():
+                with torch.no_grad():
+                    seconds = timed(lambda model=model, ids=ids: model(ids), args.device)
+                rows.append(dict(variant=name, seq_len=seq_len, metric="forward_tokens_per_s",
+                                 value=ids.numel() / seconds, repeat=repeat))
+                if seq_len <= args.max_train_len:
+                    def step(model=model, ids=ids):
+                        model(ids, labels=ids).loss.backward()
+                    seconds = timed(step, args.device)
+                    model.zero_grad(set_to_none=True)
+                    rows.append(dict(variant=name, seq_len=seq_len, metric="train_tokens_per_s",
+                                     value=ids.numel() / seconds, repeat=repeat))
+            print(f"[bench] T={seq_len} repeat {repeat + 1}/{args.repeats}", file=sys.stderr, flush=True)
+
+    prompt = torch.randint(0, MODEL_SIZE["vocab_size"], (1, args.prefill_len), device=args.device)
+    for repeat in range(args.repeats):
+        for name, model in models.items():
+            with torch.no_grad():
+                out = {}
+
+                def prefill(model=model, out=out):
+                    out["result"] = model(prompt, use_cache=True)
+
+                prefill_seconds = timed(prefill, args.device)
+                cache = out["result"].cache if hasattr(out["result"], "cache") else out["result"].past_key_values
+                token = out["result"].logits[:, -1:].argmax(-1)
+                steps = []
+                for _ in range(args.decode_tokens):
+                    def decode(model=model, cache=cache, out=out, token=token):
+                        out["step"] = model(token, cache=cache, use_cache=True)
+
+                    steps.append(timed(decode, args.device))
+                    token = out["step"].logits[:, -1:].argmax(-1)
+            rows.append(dict(variant=name, seq_len=args.prefill_len, metric="prefill_ms", value=prefill_seconds * 1e3,
+                             repeat=repeat))
+            rows.append(dict(variant=name, seq_len=args.prefill_len, metric="decode_ms_per_token",
+                             value=statistics.median(steps) * 1e3, repeat=repeat))
+            if repeat == 0:
+                rows.append(dict(variant=name, seq_len=args.prefill_len + args.decode_tokens, metric="kv_cache_bytes",
+                                 value=kv_cache_bytes(cache), repeat=0))
+    return rows
+
+
+HIGHER_IS_BETTER = {"forward_tokens_per_s", "train_tokens_per_s"}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per metric and length: cost ratio against standard (>1 means slower or bigger), median and spread."""
+    grouped: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        grouped[(row["metric"], row["seq_len"])][row["variant"]].append(row["value"])
+    summary = []
+    for (metric, seq_len), by_variant in sorted(grouped.items()):
+        base = by_variant["standard"]
+        for variant, values in by_variant.items():
+            per_repeat = [
+                (b / v if metric in HIGHER_IS_BETTER else v / b) for v, b in zip(values, base, strict=False)
+            ]
+            summary.append(dict(metric=metric, seq_len=seq_len, variant=variant,
+                                median=statistics.median(values),
+                                cost_ratio=statistics.median(per_repeat),
+                                ratio_min=min(per_repeat), ratio_max=max(per_repeat)))
+    return summary
+
+
+def plot(summary: list[dict], output_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric in ("forward_tokens_per_s", "train_tokens_per_s"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for variant in VARIANTS:
+            points = [s for s in summary if s["metric"] == metric and s["variant"] == variant]
+            if not points:
+                continue
+            xs = [p["seq_len"] for p in points]
+            ax.plot(xs, [p["cost_ratio"] for p in points], marker="o", label=variant)
+            ax.fill_between(xs, [p["ratio_min"] for p in points], [p["ratio_max"] for p in points], alpha=0.2)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("time ratio vs standard (lower is better)")
+        ax.set_title(metric.replace("_", " "))
+        ax.legend()
+        path = output_dir / f"{metric}_ratio.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = ["| metric | T | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
+    keyed = {(s["metric"], s["seq_len"], s["variant"]): s for s in summary}
+    for metric, seq_len in sorted({(s["metric"], s["seq_len"]) for s in summary}):
+        cells = []
+        for variant in VARIANTS:
+            s = keyed.get((metric, seq_len, variant))
+            if s is None:
+                cells.append("")
+            elif metric.endswith("bytes"):
+                cells.append(f"{s['median'] / 2**20:.1f} MiB ({s['cost_ratio']:.2f}x)")
+            else:
+                cells.append(f"{s['cost_ratio']:.3f}x [{s['ratio_min']:.2f}-{s['ratio_max']:.2f}]")
+        lines.append(f"| {metric} | {seq_len} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/benchmarks"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--attn", default="sdpa", help="attn_implementation (eager, sdpa, flash_attention_2, ...)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument("--max-train-len", type=int, default=2048, help="longest T timed with backward")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    rows = measure(args)
+    summary = ratios(rows)
+    with open(args.output_dir / "attention_overhead_raw.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(args.output_dir / "attention_overhead_summary.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(summary[0]))
+        writer.writeheader()
+        writer.writerows(summary)
+    plot(summary, args.output_dir)
+    header = (f"device={args.device} dtype={args.dtype} attn={args.attn} batch={args.batch} repeats={args.repeats} "
+              f"threads={torch.get_num_threads()} torch={torch.__version__} qkmap_hf={qkmap_hf.__version__}")
+    print(header)
+    print(markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
