@@ -85,3 +85,17 @@ def test_invalid_values_in_a_saved_config_fail_on_load(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="qkmap_num_frequencies"):
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_readme_table_lists_every_qkmap_field_with_its_real_default():
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", readme, flags=re.MULTILINE))
+    defaults = {f.name: f.default for f in dataclasses.fields(QKMapConfig) if f.name.startswith(("qk_", "qkmap_"))}
+    assert set(rows) == set(defaults)
+    for name, default in defaults.items():
+        rendered = f'"{default}"' if isinstance(default, str) else repr(default)
+        assert rows[name] == rendered, name
