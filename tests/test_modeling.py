@@ -354,3 +354,15 @@ def test_sequence_classification_head():
     model = qkmap_hf.QKMapForSequenceClassification(config).eval()
     out = model(ids(batch=2, length=7), labels=torch.tensor([0, 2]))
     assert out.logits.shape == (2, 3) and torch.isfinite(out.loss)
+
+
+def test_feature_map_is_one_graph_for_torch_compile():
+    torch._dynamo.reset()
+    z = torch.randn(2, 4, 8, 16)
+    frequency, gain = torch.rand(2, 2, 16) + 0.1, torch.rand(2, 4, 16)
+    cos, sin = torch.rand(1, 8, 16), torch.rand(1, 8, 16)
+    explanation = torch._dynamo.explain(qkmap_features)(z, frequency, gain, cos, sin)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(qkmap_features, fullgraph=True)
+    assert torch.allclose(compiled(z, frequency, gain, cos, sin), qkmap_features(z, frequency, gain, cos, sin),
+                          atol=1e-5)
