@@ -366,3 +366,15 @@ def test_feature_map_is_one_graph_for_torch_compile():
     compiled = torch.compile(qkmap_features, fullgraph=True)
     assert torch.allclose(compiled(z, frequency, gain, cos, sin), qkmap_features(z, frequency, gain, cos, sin),
                           atol=1e-5)
+
+
+def test_flex_attention_equals_eager_with_wide_keys():
+    eager = make_model("qk_map", attn="eager")  # keys 32 wide, values 16: flex gets padded values
+    flex = copy.deepcopy(eager)
+    flex.set_attn_implementation("flex_attention")
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        diff = (eager(x, attention_mask=mask).logits - flex(x, attention_mask=mask).logits)[mask.bool()]
+    assert diff.abs().max().item() < 1e-5
