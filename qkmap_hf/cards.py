@@ -14,16 +14,15 @@ replaces the file of that name in the card.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .fileio import atomic_write_text
 from .version import __version__
 
 TEMPLATE_NAME = "qkmap_model_card.md"
@@ -61,18 +60,6 @@ def template_path(name: str = TEMPLATE_NAME) -> Path:
             "qkmap_hf/model_cards/*)."
         )
     return path
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: readers never see half a card."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -188,6 +175,8 @@ def eval_results_for_card(results: dict) -> list[EvalResult]:
 
 
 def _format_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, (list, tuple)) and len(value) <= 8 and all(not isinstance(v, (dict, list)) for v in value):
@@ -208,23 +197,30 @@ def load_provenance(model_dir: Path, provenance: dict | None = None) -> dict[str
     return records
 
 
+def _provenance_items(record: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """Scalar fields of a record, nested dicts flattened one level (``verification.max_kl``)."""
+    items = []
+    for key, value in record.items():
+        if value is None or (isinstance(value, list) and len(value) > 8):
+            continue
+        if isinstance(value, dict):
+            if not prefix:
+                items += _provenance_items(value, prefix=f"{key}.")
+            continue
+        items.append((f"{prefix}{key}", _format_value(value)))
+    return items
+
+
 def _provenance_sections(records: dict[str, dict]) -> list[dict[str, Any]]:
-    sections = []
-    for kind, record in records.items():
-        items = [
-            (key, _format_value(value))
-            for key, value in record.items()
-            if not isinstance(value, dict) and not (isinstance(value, list) and len(value) > 8)
-        ]
-        sections.append(
-            {
-                "title": kind.replace("_", " ").capitalize(),
-                "source": PROVENANCE_FILES.get(kind, "provenance"),
-                "items": items[:20],
-                "json": json.dumps(record, indent=2, sort_keys=True, default=str),
-            }
-        )
-    return sections
+    return [
+        {
+            "title": kind.replace("_", " ").capitalize(),
+            "source": PROVENANCE_FILES.get(kind, "provenance"),
+            "items": _provenance_items(record)[:30],
+            "json": json.dumps(record, indent=2, sort_keys=True, default=str),
+        }
+        for kind, record in records.items()
+    ]
 
 
 def _base_model(records: dict[str, dict]) -> str | None:
@@ -329,6 +325,8 @@ def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
     first = entry.get("first_token_mass", {})
     contrast = entry.get("evidence_contrast", {})
     return {
+        "label": entry.get("label"),
+        "compared_with": [m.get("label") for m in analysis.get("models") or [] if m.get("label") != entry.get("label")],
         "text_description": (
             f"{settings.get('num_windows', '?')} windows of {settings.get('max_tokens', '?')} tokens of "
             f"{Path(str(settings.get('text_file') or 'text')).name}"
@@ -397,7 +395,7 @@ def render_model_card(
         tags=tags,
         base_model=base_model,
         datasets=_datasets(records),
-        model_name=name,
+        model_name=name if results else None,  # only the model-index uses it
         eval_results=eval_results_for_card(results) if results else None,
     )
     architecture = ", ".join(f"{key}={config[key]}" for key in _ARCHITECTURE_FIELDS if key in config)
@@ -414,6 +412,7 @@ def render_model_card(
         qk_mode=qk_mode,
         mode_description=_MODE_DESCRIPTIONS.get(qk_mode, qk_mode),
         architecture_line=architecture,
+        remote_code=bool(config.get("auto_map")),
         qkmap_version=__version__,
         settings=_settings(config),
         phase_rows=phase_rows,
@@ -423,7 +422,7 @@ def render_model_card(
         eval_rows=eval_rows(results) if results else [],
         eval_meta={
             "lm_eval_version": (results or {}).get("lm_eval_version"),
-            "limit": ((results or {}).get("config") or {}).get("limit"),
+            "limit": _format_value(limit) if (limit := ((results or {}).get("config") or {}).get("limit")) else None,
         },
         analysis=analysis_ctx,
     )
@@ -464,7 +463,7 @@ def write_model_card(
     text = str(card)
     ModelCard(text, ignore_metadata_errors=False)  # fails here, not on the Hub, if the metadata does not parse
     readme = model_dir / "README.md"
-    _atomic_write_text(readme, text)
+    atomic_write_text(readme, text)
     return readme
 
 

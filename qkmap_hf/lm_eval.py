@@ -10,7 +10,8 @@ lm-eval has no entry-point discovery, so importing this module is what registers
 What ``qkmap`` adds to ``hf``:
 
 - QK-MAP checkpoints load without ``trust_remote_code`` (the installed package provides the classes); pass
-  ``trust_remote_code=True`` to run the modeling files saved with the checkpoint instead.
+  ``trust_remote_code=True`` to run the modeling files saved with the checkpoint instead (what a downloader
+  without qkmap-hf runs). Plain ``transformers`` would keep using the registered package classes in that case.
 - ``attn_implementation`` (eager, sdpa, flash_attention_2/3, flex_attention, or a Hub kernel ``org/name``) and
   ``dtype`` (``torch_dtype`` accepted as an alias) are checked before loading.
 - Keys that would otherwise travel silently into ``from_pretrained`` and from there into the model config are
@@ -72,8 +73,8 @@ def task_manager(**kwargs: Any):
     from lm_eval.tasks import TaskManager
 
     extra = kwargs.pop("include_path", None)
-    paths = [str(task_pack_dir())] + ([] if extra is None else [str(p) for p in (extra if isinstance(extra, (list, tuple)) else [extra])])
-    return TaskManager(include_path=paths, **kwargs)
+    extra = [] if extra is None else list(extra) if isinstance(extra, (list, tuple)) else [extra]
+    return TaskManager(include_path=[str(task_pack_dir()), *(str(p) for p in extra)], **kwargs)
 
 
 def split_model_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -86,8 +87,8 @@ def split_model_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     config_fields = sorted(_CONFIG_FIELDS & kwargs.keys())
     if config_fields:
         raise ValueError(
-            f"model_args {', '.join(config_fields)} are QK-MAP config fields fixed by the trained weights, not "
-            "evaluation options; evaluate a checkpoint that was converted or trained with them instead."
+            f"model_args {', '.join(config_fields)}: QK-MAP config fields are fixed by the trained weights, not "
+            "evaluation options; evaluate a checkpoint that was converted or trained with the settings you want."
         )
     unknown = sorted(kwargs.keys() - _HFLM_PARAMETERS - FROM_PRETRAINED_KWARGS)
     if unknown:
@@ -105,6 +106,16 @@ def split_model_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     hflm = {k: v for k, v in kwargs.items() if k in _HFLM_PARAMETERS}
     extras = {k: v for k, v in kwargs.items() if k not in _HFLM_PARAMETERS}
     return hflm, extras
+
+
+class _CheckpointClass:
+    """Stands in for ``AutoModelForCausalLM`` in HFLM's loader: ``from_pretrained`` of one given class."""
+
+    def __init__(self, model_class: type) -> None:
+        self.model_class = model_class
+
+    def from_pretrained(self, *args: Any, trust_remote_code: bool = True, **kwargs: Any):
+        return self.model_class.from_pretrained(*args, **kwargs)
 
 
 class QKMapLM(HFLM):
@@ -130,6 +141,24 @@ class QKMapLM(HFLM):
                 next(model.parameters()).dtype,
                 source,
             )
+
+    def _create_model(self, pretrained: str, **kwargs: Any) -> None:
+        """With ``trust_remote_code=True``, load a QK-MAP checkpoint through its own modeling files."""
+        auto_map = getattr(self.config, "auto_map", None) or {}
+        if not (kwargs.get("trust_remote_code") and self.config.model_type == "qkmap" and "AutoModelForCausalLM" in auto_map):
+            return super()._create_model(pretrained, **kwargs)
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        # transformers prefers registered classes over remote code; ask for the checkpoint's class explicitly.
+        remote_class = get_class_from_dynamic_module(
+            auto_map["AutoModelForCausalLM"], pretrained, revision=kwargs.get("revision"), subfolder=kwargs.get("subfolder") or ""
+        )
+        auto_class = self.AUTO_MODEL_CLASS
+        self.AUTO_MODEL_CLASS = _CheckpointClass(remote_class)
+        try:
+            super()._create_model(pretrained, **kwargs)
+        finally:
+            self.AUTO_MODEL_CLASS = auto_class
 
     def _get_backend(self, config, backend="default", trust_remote_code=False) -> None:
         # "qkmap" is registered with AutoModelForCausalLM at runtime, not in transformers' static name tables.

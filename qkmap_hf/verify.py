@@ -88,7 +88,9 @@ class VerificationReport:
             ),
         ]
         if self.qkmap_init is not None:
-            init = self.qkmap_init + (f", omega_0={self.qkmap_exact_frequency:g}" if self.qkmap_init == "exact" else "")
+            init = {"exact": f"exact, omega_0={self.qkmap_exact_frequency:g}", "native": "canonical (native)"}.get(
+                self.qkmap_init, self.qkmap_init
+            )
             rows.insert(0, ("converted init", init))
         if self.phase:
             medians = [layer["query"]["median"] for layer in self.phase["layers"]] + [

@@ -80,3 +80,35 @@ def save_tiny_model(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+_CACHE: dict[str, dict[str, Path]] = {}
+MODES = ("standard", "qk_norm", "qk_map")
+
+
+def cached_models(tmp_path_factory) -> dict[str, Path]:
+    """Tokenizer folder and one trained tiny model per qk_mode, built once per pytest session."""
+    root = tmp_path_factory.getbasetemp() / "eval-models"
+    key = str(root)
+    if key not in _CACHE:
+        tokenizer = build_tokenizer(root / "tokenizer")
+        paths = {"tokenizer": root / "tokenizer"}
+        for mode in MODES:
+            paths[mode] = save_tiny_model(root / f"tiny-{mode.replace('_', '-')}", tokenizer, mode)
+        _CACHE[key] = paths
+    return _CACHE[key]
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """``qkmap NAME ARGV...`` in this process, through the real CLI entry point."""
+    from qkmap_hf.cli import main
+
+    return main([name, *argv])
+
+
+def single_thread():
+    """Generator for an autouse fixture: one torch thread (2 OpenMP threads crawl on a shared, busy 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 HELP = "Convert a Llama/Mistral/Qwen2-style checkpoint (safetensors or GGUF) to QK-MAP attention."
 
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..conversion import ConversionError, convert_checkpoint
 
+    if args.verify is not None and not Path(args.verify).is_file():
+        print(f"qkmap convert: error: --verify {args.verify}: no such text file", file=sys.stderr)
+        return 2
     try:
         dst = convert_checkpoint(
             args.src,
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             omega0=args.omega0,
             dtype=args.dtype,
             gguf_file=args.gguf_file,
-            verify_text=args.verify,
+            verify_text=Path(args.verify) if args.verify else None,
             max_tokens=args.max_tokens,
             overwrite=args.overwrite,
             base_model=args.base_model,

@@ -62,9 +62,10 @@ def translate_argv(argv: list[str]) -> list[str]:
 
 
 def run_raw(argv: list[str]) -> int:
-    import qkmap_hf.lm_eval  # noqa: F401  (registers --model qkmap)
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
+
+    import qkmap_hf.lm_eval  # noqa: F401  (registers --model qkmap)
 
     from ..tasks import task_pack_dir
 

@@ -183,8 +183,6 @@ def read_source_config(directory: Path) -> dict[str, Any]:
     """The raw ``config.json`` of a checkpoint folder (normalized later, once the architecture is known)."""
     path = directory / "config.json"
     if not path.is_file():
-        if not any(directory.glob("*.safetensors")):
-            refuse_pickle_only(directory)  # the more useful message when the folder is a pickle checkpoint
         raise ConversionError(
             f"{path}: config.json is missing; a Hugging Face checkpoint folder needs it to describe the model. "
             "For a GGUF file pass --gguf-file NAME (gguf_file=...)."
@@ -777,6 +775,9 @@ def convert_model(
         raise ConversionError(f"{where}: state dict mismatch (missing {missing[:4]}, unexpected {unexpected[:4]}).")
     if config.tie_word_embeddings:
         converted.tie_weights()
+    parameter = next(model.parameters(), None)
+    if parameter is not None:
+        converted.to(parameter.device)  # created tensors and buffers join the source's device
     if getattr(model, "generation_config", None) is not None:
         converted.generation_config = copy.deepcopy(model.generation_config)
     return converted.eval() if not model.training else converted
@@ -829,6 +830,8 @@ def convert_checkpoint(
         options = dataclasses.replace(options, dtype=options.dtype or torch.float32)
     else:
         where = str(resolved.directory / "config.json")
+        if not any(resolved.directory.glob("*.safetensors")):
+            refuse_pickle_only(resolved.directory)  # the real problem, before any config complaint
         raw_config = read_source_config(resolved.directory)
         architecture = source_architecture(raw_config)
         adapter_for(architecture, where)  # refuse unsupported families before anything else
@@ -837,6 +840,12 @@ def convert_checkpoint(
     adapter, config = _prepare(config_dict, architecture, options, where)
     plan = plan_conversion(source, adapter, config, options.dtype)
     config.dtype = _dtype_name(plan.dtype)
+    has_tokenizer = gguf_model is not None or any((resolved.directory / n).is_file() for n in TOKENIZER_FILES)
+    if verify_text is not None and not has_tokenizer:
+        raise ConversionError(
+            f"{resolved.directory}: no tokenizer files, so --verify cannot tokenize the text; add the source's "
+            "tokenizer files or convert without --verify."
+        )
 
     provenance: dict[str, Any] = {
         "kind": "conversion",  # qkmap_hf.cards files this record under "Conversion"

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
+
+from ..fileio import atomic_write_text
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 PASSAGE_PLAY = "tempest_gut"
@@ -103,13 +103,6 @@ def build_haystack(text: str) -> str:
     return "\n".join(line for _, lines in speeches(text) for line in lines) + "\n"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
-
-
 def build(out_dir: Path = DATA_DIR) -> dict[str, int]:
     """Write the three data files into ``out_dir``; return their sizes in bytes."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +115,7 @@ def build(out_dir: Path = DATA_DIR) -> dict[str, int]:
         "haystack.txt": build_haystack(_play_text(HAYSTACK_PLAY)),
     }
     for name, text in files.items():
-        _atomic_write(out_dir / name, text)
+        atomic_write_text(out_dir / name, text)
     return {name: (out_dir / name).stat().st_size for name in files}
 
 

@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Peak memory and time of ``convert_checkpoint`` on a synthetic 7B-shaped sharded checkpoint.
+
+Builds a Llama checkpoint with real tensor names and Llama-2-7B shapes (32 layers, hidden 4096, MLP 11008,
+32 heads, vocab 32000, bfloat16: ~13.5 GB in ~3 GB shards) in a temporary folder, then measures, each in a
+fresh subprocess, the peak RSS (``ru_maxrss``, which also counts mapped file pages) and wall time of
+
+- ``convert``: ``qkmap_hf.convert_checkpoint(src, dst, init="exact")`` (streams tensor by tensor), and
+- ``load+save``: the plain way, ``safetensors.torch.load_file`` of every shard into one dict, then
+  ``save_file`` of the same shards.
+
+Writes a CSV and prints a table. Not a test: it needs ~30 GB of free disk and, for the baseline, memory
+of the full model. The multi-GB files are deleted at the end (unless ``--keep``)::
+
+    python benchmarks/conversion_memory.py [--layers 32] [--workdir /tmp] [--csv benchmarks/results/conversion_memory.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+GB = 10**9
+
+CONVERT = """
+import time, resource, json, sys
+import qkmap_hf
+start = time.perf_counter()
+qkmap_hf.convert_checkpoint(sys.argv[1], sys.argv[2], init="exact", progress=False)
+print(json.dumps({"wall_s": time.perf_counter() - start,
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+LOAD_AND_SAVE = """
+import time, resource, json, sys, os, shutil
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+start = time.perf_counter()
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+index = json.loads((src / "model.safetensors.index.json").read_text())
+files = sorted(set(index["weight_map"].values()))
+tensors = {}
+for name in files:
+    tensors.update(load_file(src / name))
+dst.mkdir()
+for name in files:
+    save_file({k: tensors[k] for k, f in index["weight_map"].items() if f == name}, dst / name, metadata={"format": "pt"})
+for extra in ("model.safetensors.index.json", "config.json"):
+    shutil.copyfile(src / extra, dst / extra)
+print(json.dumps({"wall_s": time.perf_counter() - start,
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def llama_tensors(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int):
+    """(name, shape) in the order transformers saves a LlamaForCausalLM (untied, like Llama 2)."""
+    head_dim = hidden // heads
+    yield "model.embed_tokens.weight", (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        yield p + "self_attn.q_proj.weight", (heads * head_dim, hidden)
+        yield p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden)
+        yield p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden)
+        yield p + "self_attn.o_proj.weight", (hidden, heads * head_dim)
+        yield p + "mlp.gate_proj.weight", (intermediate, hidden)
+        yield p + "mlp.up_proj.weight", (intermediate, hidden)
+        yield p + "mlp.down_proj.weight", (hidden, intermediate)
+        yield p + "input_layernorm.weight", (hidden,)
+        yield p + "post_attention_layernorm.weight", (hidden,)
+    yield "model.norm.weight", (hidden,)
+    yield "lm_head.weight", (vocab, hidden)
+
+
+def build_checkpoint(folder: Path, args: argparse.Namespace) -> dict:
+    """Write config.json, shards of about ``--shard-gb`` and the index; random bf16 data, one shard in memory."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    folder.mkdir(parents=True)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(folder)
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    limit = int(args.shard_gb * GB)
+    shapes = list(llama_tensors(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab))
+    for name, shape in shapes:
+        nbytes = 2 * int(torch.Size(shape).numel())
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    weight_map, total = {}, 0
+    generator = torch.Generator().manual_seed(0)
+    for number, group in enumerate(groups, start=1):
+        file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        shard = {name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16) for name, shape in group}
+        save_file(shard, folder / file, metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in shard.values())
+        weight_map.update({name: file for name in shard})
+        del shard
+        print(f"  wrote {file} ({(folder / file).stat().st_size / GB:.2f} GB)", flush=True)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    shard_sizes = [(folder / f).stat().st_size for f in sorted(set(weight_map.values()))]
+    return {"total_bytes": total, "num_shards": len(groups), "largest_shard_bytes": max(shard_sizes)}
+
+
+def measure(code: str, src: Path, dst: Path) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(src), str(dst)], capture_output=True, text=True, env=env
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"measurement failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def mem_available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=11008)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--shard-gb", type=float, default=3.0, help="target shard size in GB (default 3)")
+    parser.add_argument("--workdir", default=tempfile.gettempdir())
+    parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "conversion_memory.csv"))
+    parser.add_argument("--skip-baseline", action="store_true", help="measure the conversion only")
+    parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    args = parser.parse_args(argv)
+
+    params = args.vocab * args.hidden * 2 + args.layers * (
+        2 * args.hidden * args.hidden
+        + 2 * args.kv_heads * (args.hidden // args.heads) * args.hidden
+        + 3 * args.hidden * args.intermediate
+    )
+    need = 2 * params * 2 + 2 * GB  # source + one output at a time
+    free = shutil.disk_usage(args.workdir).free
+    print(
+        f"model: {params / 1e9:.2f} B parameters, {2 * params / GB:.1f} GB in bf16; {free / GB:.0f} GB free in {args.workdir}"
+    )
+    if free < need:
+        print(f"not enough disk: need {need / GB:.0f} GB; use fewer --layers or another --workdir", file=sys.stderr)
+        return 1
+    work = Path(tempfile.mkdtemp(prefix="qkmap-conversion-bench-", dir=args.workdir))
+    rows = []
+    try:
+        src = work / "src"
+        start = time.perf_counter()
+        info = build_checkpoint(src, args)
+        print(
+            f"built {info['num_shards']} shards, {info['total_bytes'] / GB:.2f} GB in {time.perf_counter() - start:.0f} s"
+        )
+        shape = (
+            f"{args.layers}L h{args.hidden} mlp{args.intermediate} {args.heads}/{args.kv_heads}heads v{args.vocab} bf16"
+        )
+        methods = [("convert_checkpoint (streaming)", CONVERT)]
+        if not args.skip_baseline:
+            methods.append(("load_file + save_file (plain)", LOAD_AND_SAVE))
+        for method, code in methods:
+            dst = work / "dst"
+            if method.startswith("load") and mem_available_bytes() < info["total_bytes"] + 3 * GB:
+                print(f"skipping {method}: MemAvailable {mem_available_bytes() / GB:.1f} GB < model + 3 GB")
+                continue
+            print(f"measuring {method} ...", flush=True)
+            result = measure(code, src, dst)
+            shutil.rmtree(dst)
+            rows.append(
+                {
+                    "method": method,
+                    "shape": shape,
+                    "total_gb": round(info["total_bytes"] / GB, 2),
+                    "num_shards": info["num_shards"],
+                    "largest_shard_gb": round(info["largest_shard_bytes"] / GB, 2),
+                    "wall_s": round(result["wall_s"], 1),
+                    "peak_rss_gb": round(result["peak_rss_bytes"] / GB, 2),
+                }
+            )
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    csv_path = Path(args.csv)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\n| method | total GB | shards | largest shard GB | wall s | peak RSS GB |\n|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['method']} | {row['total_gb']} | {row['num_shards']} | {row['largest_shard_gb']} | "
+            f"{row['wall_s']} | {row['peak_rss_gb']} |"
+        )
+    print(f"\nshape: {rows[0]['shape']}; CSV: {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,657 @@
+"""The paper's three attention diagnostics for any causal LM with separate ``q_proj``/``k_proj`` modules.
+
+Works for Llama-family checkpoints (the source of a conversion), converted and trained QK-MAP models, and the
+``standard``/``qk_norm`` baselines, so their numbers sit side by side:
+
+1. **Input-scale sensitivity.** The outputs of ``q_proj`` and ``k_proj`` of one layer (``z = W x + b``, the
+   input of the query/key construction) are multiplied by a factor ``s``; the layer's attention rows are
+   compared with the unscaled ones by total-variation distance, per head. The attention module is re-run on
+   the inputs it saw in the unscaled pass, so each number isolates one layer. QK-Norm divides the scale out (zero up to its epsilon), standard attention
+   sharpens or flattens with ``s**2``, QK-MAP moves its phases ``omega * z``. For QK-MAP layers the typical
+   phase ``omega * |z|`` is reported too: while it is small the model computes standard attention (the
+   regime of an exactly converted model), large phases mean the periodic features are in use.
+2. **Attention mass on the first token** (the attention sink), per head, averaged over query positions >= 1.
+3. **Evidence contrast** in the synthetic long-context task (``qkmap_hf.tasks.needle``): from the question
+   tokens, attention per evidence token over attention per distractor token (log2; 0 means no preference),
+   per head and context length (in tokens of the model's tokenizer). Token 0 is left out of the distractors
+   so that the sink of analysis 2 does not dilute this one.
+
+Attention weights come from hooks on the attention modules with the eager kernel; rows are reduced as they
+are produced, so long contexts do not keep every layer's full matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fileio import atomic_write_json
+
+FORMAT = "qkmap-analysis/1"
+LINEAR_PHASE_P90 = 0.25  # sin(x) is within 1% of x below this phase: standard attention in disguise
+PERIODIC_PHASE_MEDIAN = 1.0
+
+
+@dataclass
+class AnalysisSettings:
+    """What to measure; defaults take seconds for tiny models and minutes for SmolLM2-135M on a CPU."""
+
+    scales: tuple[float, ...] = (0.5, 2.0, 4.0)
+    max_tokens: int = 256
+    num_windows: int = 4
+    context_lengths: tuple[int, ...] = (256, 512, 1024)
+    needle_examples: int = 4
+    seed: int = 0
+    text_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.scales or any(s <= 0 or s == 1.0 for s in self.scales):
+            raise ValueError(f"scales={self.scales} must be positive factors other than 1.")
+        for name in ("max_tokens", "num_windows", "needle_examples"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive.")
+        if self.max_tokens < 8:
+            raise ValueError(f"max_tokens={self.max_tokens} is too short for attention statistics; use at least 8.")
+        if any(length < 32 for length in self.context_lengths):
+            raise ValueError(f"context_lengths={self.context_lengths}: each must be at least 32 tokens.")
+
+
+@dataclass
+class _Layer:
+    index: int
+    attention: nn.Module
+    q_proj: nn.Module
+    k_proj: nn.Module
+    feature_map: nn.Module | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def attention_layers(model: nn.Module) -> list[_Layer]:
+    """Attention modules with separate ``q_proj``/``k_proj`` (Llama family, QK-MAP), in layer order."""
+    layers = []
+    for module in model.modules():
+        q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+        if isinstance(q_proj, nn.Module) and isinstance(k_proj, nn.Module):
+            feature_map = getattr(module, "qk_map", None)
+            if feature_map is not None and not callable(getattr(feature_map, "frequency", None)):
+                feature_map = None
+            layers.append(_Layer(len(layers), module, q_proj, k_proj, feature_map))
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules with separate q_proj and k_proj; the analysis supports "
+            "Llama-family and QK-MAP models (fused-QKV architectures such as GPT-2 are not supported)."
+        )
+    return layers
+
+
+def _use_eager(model: nn.Module) -> None:
+    """Attention weights only come out of the eager kernel."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", "eager") != "eager":
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("eager")
+        else:  # pragma: no cover - older transformers
+            config._attn_implementation = "eager"
+
+
+def _weights(output: Any, layer: _Layer) -> torch.Tensor:
+    weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+    if weights is None:
+        raise RuntimeError(
+            f"Attention layer {layer.index} ({type(layer.attention).__name__}) returned no attention weights; load the "
+            "model with attn_implementation='eager'."
+        )
+    return weights.float()
+
+
+def _scale_hook(factor: float) -> Callable:
+    def hook(_module, _inputs, output):
+        return output * factor
+
+    return hook
+
+
+@torch.no_grad()
+def _forward(model: nn.Module, input_ids: torch.Tensor) -> None:
+    model(input_ids=input_ids, use_cache=False)
+
+
+def _bos_id(tokenizer) -> int | None:
+    """The BOS id if the tokenizer puts one in front of text by itself (then the analysis does too)."""
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and tokenizer("a").input_ids[:1] == [bos] else None
+
+
+def _contrast_hook(
+    layer: _Layer, question: torch.Tensor, evidence: torch.Tensor, distractor: torch.Tensor, lifts: list, masses: list
+) -> Callable:
+    """Hook: reduce the question rows of one layer to per-head log2 lift and evidence mass, keep nothing else."""
+
+    def hook(_module, _inputs, output):
+        rows = _weights(output, layer)[0][:, question]  # (heads, question tokens, keys)
+        e_mass = rows[..., evidence].sum(-1)
+        d_mass = rows[..., distractor].sum(-1)
+        lift = (e_mass / evidence.sum()) / (d_mass / distractor.sum()).clamp_min(1e-30)
+        lifts[layer.index] = torch.log2(lift.clamp_min(1e-30)).mean(-1).tolist()
+        masses[layer.index] = e_mass.mean(-1).tolist()
+
+    return hook
+
+
+def _quantiles(values: torch.Tensor) -> dict[str, float]:
+    flat = values.flatten().float()
+    if flat.numel() > 1_000_000:  # torch.quantile has an input-size limit; a fixed stride keeps it reproducible
+        flat = flat[:: math.ceil(flat.numel() / 1_000_000)]
+    return {
+        "median": float(flat.median()),
+        "mean": float(flat.mean()),
+        "p90": float(torch.quantile(flat, 0.9)),
+        "max": float(flat.max()),
+    }
+
+
+def _phase_stats(layer: _Layer, z: torch.Tensor) -> dict[str, float]:
+    """``|omega * z|`` over tokens, heads, frequencies and channels; query heads use their key head's omega."""
+    frequency = layer.feature_map.frequency().detach().float()  # (kv_heads, F, m or 1)
+    kv_heads = frequency.shape[0]
+    m = getattr(layer.attention, "projection_dim", None) or z.shape[-1] // kv_heads
+    heads = z.shape[-1] // m
+    z = z.float().reshape(*z.shape[:-1], kv_heads, heads // kv_heads, 1, m)
+    phase = (z * frequency.reshape(kv_heads, 1, frequency.shape[1], -1)).abs()
+    return _quantiles(phase)
+
+
+def _regime(phases: list[dict]) -> str:
+    p90 = max(max(p["query"]["p90"], p["key"]["p90"]) for p in phases)
+    median = max(max(p["query"]["median"], p["key"]["median"]) for p in phases)
+    if p90 < LINEAR_PHASE_P90:
+        return "linear (phases small: the layer computes standard attention)"
+    if median >= PERIODIC_PHASE_MEDIAN:
+        return "periodic (phases of order 1 or more: magnitude encoded as phase)"
+    return "transitional (some phases beyond the linear range)"
+
+
+def _windows(tokenizer, text: str, settings: AnalysisSettings) -> tuple[torch.Tensor, bool]:
+    """``num_windows`` consecutive windows of ``max_tokens``; each starts with BOS when the tokenizer adds one."""
+    bos = _bos_id(tokenizer)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    body = settings.max_tokens - (1 if bos is not None else 0)
+    count = min(settings.num_windows, len(ids) // body)
+    if count == 0:
+        raise ValueError(
+            f"The text has {len(ids)} tokens, fewer than one window of max_tokens={settings.max_tokens}; pass a longer "
+            "--text or a smaller --max-tokens."
+        )
+    rows = [([bos] if bos is not None else []) + ids[i * body : (i + 1) * body] for i in range(count)]
+    return torch.tensor(rows), bos is not None
+
+
+def _capture_all(model: nn.Module, layers: list[_Layer], input_ids: torch.Tensor, with_phase: bool) -> tuple[list, dict]:
+    """Unscaled attention of every layer, each attention module's inputs, and the q/k projections of QK-MAP layers."""
+    attentions: list[torch.Tensor | None] = [None] * len(layers)
+    projections: dict[tuple[int, str], torch.Tensor] = {}
+    handles = []
+    for layer in layers:
+
+        def grab(_m, _i, output, layer=layer):
+            attentions[layer.index] = _weights(output, layer)
+
+        def inputs(_m, args, kwargs, layer=layer):
+            layer.extra["inputs"] = (args, kwargs)
+
+        handles.append(layer.attention.register_forward_hook(grab))
+        handles.append(layer.attention.register_forward_pre_hook(inputs, with_kwargs=True))
+        if with_phase and layer.feature_map is not None:
+            for name, proj in (("query", layer.q_proj), ("key", layer.k_proj)):
+
+                def keep(_m, _i, output, key=(layer.index, name)):
+                    projections[key] = output.detach()
+
+                handles.append(proj.register_forward_hook(keep))
+    try:
+        _forward(model, input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return attentions, projections
+
+
+@torch.no_grad()
+def scale_sensitivity(layers: list[_Layer], baseline: list[torch.Tensor], scales, progress) -> dict:
+    """Analysis 1: total-variation distance of attention rows under rescaled ``q_proj``/``k_proj`` outputs.
+
+    Each attention module is called again on the inputs it received in the unscaled pass, with its projections
+    scaled: earlier layers are untouched by construction, and no full forward pass is repeated.
+    """
+    per_head: dict[str, list[list[float]]] = {}
+    for scale in scales:
+        rows = []
+        for layer in layers:
+            args, kwargs = layer.extra["inputs"]
+            handles = [
+                layer.q_proj.register_forward_hook(_scale_hook(scale)),
+                layer.k_proj.register_forward_hook(_scale_hook(scale)),
+            ]
+            try:
+                weights = _weights(layer.attention(*args, **kwargs), layer)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            # rows >= 1: the first query attends to itself only, in every mode
+            tv = 0.5 * (weights - baseline[layer.index]).abs().sum(-1)[:, :, 1:]
+            rows.append(tv.mean(dim=(0, 2)).tolist())
+            progress(1)
+        per_head[_key(scale)] = rows
+    for layer in layers:
+        layer.extra.pop("inputs", None)
+    return {
+        "metric": "mean total-variation distance of attention rows (query positions >= 1) vs. unscaled",
+        "scaled": "outputs of q_proj and k_proj of one layer at a time",
+        "scales": list(scales),
+        "per_head": per_head,
+        "layer_mean": {s: [sum(r) / len(r) for r in rows] for s, rows in per_head.items()},
+        "mean": {s: _mean2(rows) for s, rows in per_head.items()},
+        "max": {s: max(max(r) for r in rows) for s, rows in per_head.items()},
+    }
+
+
+def first_token_mass(baseline: list[torch.Tensor], first_is_bos: bool) -> dict:
+    """Analysis 2: attention on position 0, per head, averaged over query positions >= 1 and windows."""
+    per_head = [weights[:, :, 1:, 0].mean(dim=(0, 2)).tolist() for weights in baseline]
+    length = baseline[0].shape[-1]
+    return {
+        "per_head": per_head,
+        "layer_mean": [sum(r) / len(r) for r in per_head],
+        "mean": _mean2(per_head),
+        "uniform_reference": sum(1.0 / (t + 1) for t in range(1, length)) / (length - 1),
+        "first_token_is_bos": first_is_bos,
+        "tokens": length,
+    }
+
+
+def _needle_ids(tokenizer, example) -> tuple[list[int], list[str]]:
+    """Token ids of a needle prompt segment by segment, and the kind of every position."""
+    bos = _bos_id(tokenizer)
+    ids: list[int] = [bos] if bos is not None else []
+    kinds: list[str] = ["bos"] if bos is not None else []
+    for kind, text in example.segments:
+        piece = tokenizer(text, add_special_tokens=False).input_ids
+        ids += piece
+        kinds += [kind] * len(piece)
+    return ids, kinds
+
+
+def evidence_contrast(model, layers, tokenizer, settings: AnalysisSettings, max_positions: int | None, progress) -> dict:
+    """Analysis 3: attention per evidence token over attention per distractor token, from the question tokens."""
+    from .tasks.needle import make_needle_examples
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    by_length: dict[str, dict] = {}
+    skipped = []
+    depths = [(i + 0.5) / settings.needle_examples for i in range(settings.needle_examples)]
+    for length in settings.context_lengths:
+        if max_positions is not None and length > max_positions:
+            skipped.append({"length": length, "reason": f"exceeds max_position_embeddings={max_positions}"})
+            progress(settings.needle_examples)
+            continue
+        examples = make_needle_examples(length, settings.needle_examples, seed=settings.seed, count=count, depths=depths)
+        lifts, masses, token_counts = [], [], []
+        for example in examples:
+            ids, kinds = _needle_ids(tokenizer, example)
+            if max_positions is not None and len(ids) > max_positions:
+                ids, kinds = ids[:max_positions], kinds[:max_positions]  # never cuts evidence: it precedes the cut
+            evidence = torch.tensor([k == "evidence" for k in kinds])
+            distractor = torch.tensor([k == "distractor" for k in kinds])
+            distractor[0] = False
+            question = torch.tensor([k == "question" for k in kinds]).nonzero().flatten()
+            layer_lift: list[list[float]] = [[] for _ in layers]
+            layer_mass: list[list[float]] = [[] for _ in layers]
+            handles = [
+                layer.attention.register_forward_hook(
+                    _contrast_hook(layer, question, evidence, distractor, layer_lift, layer_mass)
+                )
+                for layer in layers
+            ]
+            try:
+                _forward(model, torch.tensor([ids]))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            lifts.append(layer_lift)
+            masses.append(layer_mass)
+            token_counts.append(len(ids))
+            progress(1)
+        lift_mean = _average(lifts)
+        mass_mean = _average(masses)
+        by_length[str(length)] = {
+            "tokens_mean": round(sum(token_counts) / len(token_counts)),
+            "examples": len(examples),
+            "per_head_log2_lift": lift_mean,
+            "per_head_evidence_mass": mass_mean,
+            "layer_mean_log2_lift": [sum(r) / len(r) for r in lift_mean],
+            "mean_log2_lift": _mean2(lift_mean),
+            "max_head_log2_lift": max(max(r) for r in lift_mean),
+            "mean_evidence_mass": _mean2(mass_mean),
+        }
+    return {
+        "metric": "log2(attention per evidence token / attention per distractor token), from question tokens",
+        "lengths": [int(k) for k in by_length],
+        "by_length": by_length,
+        "skipped": skipped,
+    }
+
+
+def _key(scale: float) -> str:
+    return f"{scale:g}"
+
+
+def _mean2(rows: list[list[float]]) -> float:
+    values = [v for r in rows for v in r]
+    return sum(values) / len(values)
+
+
+def _average(samples: list[list[list[float]]]) -> list[list[float]]:
+    return torch.tensor(samples, dtype=torch.float64).mean(0).tolist()
+
+
+def _default_text() -> str:
+    from .tasks import data_file
+
+    lines = data_file("shakespeare_passages.jsonl").read_text(encoding="utf-8").splitlines()
+    return "\n\n".join(json.loads(line)["text"] for line in lines if line.strip())
+
+
+@torch.no_grad()
+def analyze_model(
+    model: nn.Module,
+    tokenizer,
+    text: str | None = None,
+    settings: AnalysisSettings | None = None,
+    *,
+    progress: bool = True,
+    label: str = "model",
+) -> dict:
+    """Run the three analyses on a loaded model; returns the JSON-ready result (no files written)."""
+    from tqdm.auto import tqdm
+
+    settings = settings or AnalysisSettings()
+    model.eval()
+    _use_eager(model)
+    layers = attention_layers(model)
+    input_ids, first_is_bos = _windows(tokenizer, text if text is not None else _default_text(), settings)
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    config = getattr(model, "config", None)
+    total = 1 + len(layers) * len(settings.scales) + len(settings.context_lengths) * settings.needle_examples
+    bar = tqdm(total=total, desc=f"analyze {label}", disable=not progress, unit="pass")
+    try:
+        has_map = any(layer.feature_map is not None for layer in layers)
+        baseline, projections = _capture_all(model, layers, input_ids, with_phase=has_map)
+        bar.update(1)
+        result: dict[str, Any] = {
+            "label": label,
+            "model_class": type(model).__name__,
+            "model_type": getattr(config, "model_type", None),
+            "qk_mode": getattr(config, "qk_mode", "standard" if getattr(config, "model_type", None) == "llama" else None),
+            "num_layers": len(layers),
+            "num_heads": baseline[0].shape[1],
+            "scale_sensitivity": scale_sensitivity(layers, baseline, settings.scales, bar.update),
+            "first_token_mass": first_token_mass(baseline, first_is_bos),
+            "phase": None,
+        }
+        if has_map:
+            phases = [
+                {
+                    "layer": layer.index,
+                    "query": _phase_stats(layer, projections[(layer.index, "query")]),
+                    "key": _phase_stats(layer, projections[(layer.index, "key")]),
+                }
+                for layer in layers
+                if layer.feature_map is not None
+            ]
+            result["phase"] = {"metric": "|omega * z| over tokens, heads, frequencies, channels", "layers": phases, "regime": _regime(phases)}
+        del baseline
+        max_positions = getattr(config, "max_position_embeddings", None)
+        result["evidence_contrast"] = evidence_contrast(model, layers, tokenizer, settings, max_positions, bar.update)
+    finally:
+        bar.close()
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# loading, plots, files
+# --------------------------------------------------------------------------------------------------
+
+
+def load_for_analysis(path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Model (eager attention) and tokenizer of a checkpoint folder or Hub id; QK-MAP needs no remote code."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import qkmap_hf  # noqa: F401  (registers model_type "qkmap")
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), attn_implementation="eager", dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} has no loadable tokenizer ({error}); the analysis needs one next to the weights.") from error
+    return model.to(device).eval(), tokenizer
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _heatmaps(path: Path, title: str, panels: list[tuple[str, list[list[float]]]], *, diverging: bool = False) -> None:
+    """One layer x head heatmap per panel, values written in the cells when there is room."""
+    plt = _plt()
+    values = [v for _, rows in panels for r in rows for v in r]
+    vmax = max(abs(v) for v in values) or 1.0
+    vmin = -vmax if diverging else min(0.0, min(values))
+    layers, heads = len(panels[0][1]), len(panels[0][1][0])
+    width = 1.5 + len(panels) * (0.9 + 0.45 * heads)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 1.6 + 0.3 * layers), squeeze=False, layout="constrained")
+    image = None
+    for index, (ax, (name, rows)) in enumerate(zip(axes[0], panels, strict=True)):
+        image = ax.imshow(rows, aspect="auto", cmap="RdBu_r" if diverging else "viridis", vmin=vmin, vmax=vmax, origin="lower")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("head")
+        if index == 0:
+            ax.set_ylabel("layer")
+        ax.set_xticks(range(heads))
+        ax.set_yticks(range(layers))
+        ax.tick_params(labelsize=6)
+        if layers * heads <= 64:
+            for i, row in enumerate(rows):
+                for j, v in enumerate(row):
+                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=5, color="white")
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+
+
+def _lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple], *, xlog: bool = False) -> None:
+    """Line plot; a series is ``(xs, ys)`` or ``(xs, ys, matplotlib style kwargs)``."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ticks: set = set()
+    for name, (xs, ys, *style) in series.items():
+        ax.plot(xs, ys, marker="o", label=name, **(style[0] if style else {}))
+        ticks.update(xs)
+    if xlog:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks))
+    ax.set_xticklabels([f"{t:g}" for t in sorted(ticks)], fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    plt = _plt()
+    fig.savefig(path.with_suffix(".tmp.png"), dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(path.with_suffix(".tmp.png"), path)
+
+
+def plot_model(result: dict, folder: Path, relative_to: Path) -> dict[str, str]:
+    """Per-model PNGs (layer x head heatmaps); returns {name: path relative to ``relative_to``}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    label, plots = result["label"], {}
+    scale = result["scale_sensitivity"]
+    path = folder / "scale_sensitivity.png"
+    _heatmaps(path, f"{label}: attention change (TV) when q/k inputs are scaled", [(f"x{s}", rows) for s, rows in scale["per_head"].items()])
+    plots["scale_sensitivity"] = path
+    path = folder / "first_token_mass.png"
+    _heatmaps(path, f"{label}: attention mass on the first token", [("first-token mass", result["first_token_mass"]["per_head"])])
+    plots["first_token_mass"] = path
+    contrast = result["evidence_contrast"]["by_length"]
+    if contrast:
+        path = folder / "evidence_contrast.png"
+        panels = [(f"{v['tokens_mean']} tokens", v["per_head_log2_lift"]) for v in contrast.values()]
+        _heatmaps(path, f"{label}: log2 evidence/distractor attention per token", panels, diverging=True)
+        plots["evidence_contrast"] = path
+    if result.get("phase"):
+        path = folder / "phase.png"
+        layers = result["phase"]["layers"]
+        xs = [p["layer"] for p in layers]
+        _lines(
+            path,
+            f"{label}: typical phase |omega z| per layer",
+            "layer",
+            "phase (rad)",
+            {f"{side} {stat}": (xs, [p[side][stat] for p in layers]) for side in ("query", "key") for stat in ("median", "p90")},
+        )
+        plots["phase"] = path
+    return {name: p.relative_to(relative_to).as_posix() for name, p in plots.items()}
+
+
+def plot_comparison(results: list[dict], folder: Path) -> dict[str, str]:
+    """Per-layer and per-length curves of every model on shared axes."""
+    plots = {}
+    largest = _key(max(results[0]["scale_sensitivity"]["scales"], key=lambda s: abs(math.log(s))))
+    path = folder / "comparison_scale_sensitivity.png"
+    _lines(
+        path,
+        f"attention change (TV) at input scale x{largest}, mean over heads",
+        "layer",
+        "total variation",
+        {r["label"]: (list(range(r["num_layers"])), r["scale_sensitivity"]["layer_mean"][largest]) for r in results},
+    )
+    plots["scale_sensitivity"] = path.name
+    path = folder / "comparison_first_token_mass.png"
+    _lines(
+        path,
+        "attention mass on the first token, mean over heads",
+        "layer",
+        "mass",
+        {r["label"]: (list(range(r["num_layers"])), r["first_token_mass"]["layer_mean"]) for r in results},
+    )
+    plots["first_token_mass"] = path.name
+    if all(r["evidence_contrast"]["by_length"] for r in results):
+        path = folder / "comparison_evidence_contrast.png"
+        series = {}
+        for number, r in enumerate(results):
+            by_length = r["evidence_contrast"]["by_length"]
+            xs = [v["tokens_mean"] for v in by_length.values()]
+            color = f"C{number % 10}"
+            series[f"{r['label']} (mean head)"] = (xs, [v["mean_log2_lift"] for v in by_length.values()], {"color": color})
+            series[f"{r['label']} (best head)"] = (
+                xs,
+                [v["max_head_log2_lift"] for v in by_length.values()],
+                {"color": color, "linestyle": "--"},
+            )
+        _lines(path, "evidence contrast by context length", "context tokens", "log2 lift", series, xlog=True)
+        plots["evidence_contrast"] = path.name
+    return plots
+
+
+def _unique_labels(paths: Sequence[str | Path]) -> list[str]:
+    labels: list[str] = []
+    for path in paths:
+        base = Path(str(path)).name or str(path).replace("/", "_")
+        base = "".join(c if c.isalnum() or c in "-_." else "_" for c in base) or "model"
+        label, n = base, 2
+        while label in labels:
+            label, n = f"{base}_{n}", n + 1
+        labels.append(label)
+    return labels
+
+
+def analyze(
+    models: Sequence[str | Path],
+    output_dir: str | Path,
+    *,
+    text_file: str | Path | None = None,
+    settings: AnalysisSettings | None = None,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict:
+    """Analyse each checkpoint; write ``output_dir/analysis.json``, per-model PNGs and comparison PNGs.
+
+    The first model is the subject (``qkmap card --analysis`` picks the entry whose path matches its folder);
+    the rest are ``--compare`` models. Returns the JSON written.
+    """
+    if not models:
+        raise ValueError("analyze() needs at least one model path.")
+    settings = settings or AnalysisSettings()
+    if text_file is not None:
+        text_path = Path(text_file)
+        if not text_path.is_file():
+            raise FileNotFoundError(f"--text {text_path} does not exist; pass a UTF-8 text file.")
+        text = text_path.read_text(encoding="utf-8", errors="replace")
+        settings.text_file = str(text_path.resolve())
+    else:
+        text = _default_text()
+        settings.text_file = "qkmap_hf/tasks/data/shakespeare_passages.jsonl (The Tempest)"
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    results = []
+    for path, label in zip(models, _unique_labels(models), strict=True):
+        model, tokenizer = load_for_analysis(path, trust_remote_code=trust_remote_code, dtype=dtype, device=device)
+        result = analyze_model(model, tokenizer, text, settings, progress=progress, label=label)
+        del model
+        local = Path(str(path))
+        result["path"] = str(local.resolve()) if local.exists() else str(path)
+        result["plots"] = plot_model(result, output / label, output)
+        results.append(result)
+    data = {
+        "format": FORMAT,
+        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
+        "models": results,
+        "comparison_plots": plot_comparison(results, output) if len(results) > 1 else {},
+    }
+    atomic_write_json(output / "analysis.json", data)
+    return data
+
+
+__all__ = [
+    "AnalysisSettings",
+    "analyze",
+    "analyze_model",
+    "attention_layers",
+    "load_for_analysis",
+    "plot_comparison",
+    "plot_model",
+]

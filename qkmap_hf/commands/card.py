@@ -1,0 +1,41 @@
+"""``qkmap card MODEL [--eval-results OUT] [--analysis OUT]``: write README.md (the model card) in MODEL."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "Write the model card (README.md) of a checkpoint: QK-MAP settings, provenance, lm-eval scores, analysis plots."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="checkpoint folder (config.json); README.md is written there")
+    parser.add_argument("--eval-results", help="lm-eval results_*.json, or the --output-path folder of `qkmap eval`")
+    parser.add_argument("--analysis", help="--output-dir of `qkmap analyze` (its plots are copied into MODEL/analysis)")
+    parser.add_argument("--provenance", help="extra provenance record (JSON file; its 'kind' names the section)")
+    parser.add_argument("--license", help="license id for the card (default: from provenance records, else apache-2.0)")
+    parser.add_argument("--name", help="model name / Hub repo id shown in the card and model-index")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cards import write_model_card
+
+    try:
+        provenance = None
+        if args.provenance:
+            with open(args.provenance, encoding="utf-8") as handle:
+                provenance = json.load(handle)
+        path = write_model_card(
+            args.model,
+            provenance=provenance,
+            eval_results=args.eval_results,
+            analysis_dir=args.analysis,
+            license=args.license,
+            model_name=args.name,
+        )
+    except (ValueError, OSError, TypeError) as error:
+        print(f"qkmap card: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,49 @@
+"""``qkmap push MODEL ORG/NAME``: validate the checkpoint folder, then create the repo and upload it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "Validate a checkpoint folder (clean load without qkmap_hf, no pickles, card) and upload it to the Hub."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="checkpoint folder (config.json, safetensors, remote-code files, README.md)")
+    parser.add_argument("repo_id", help="Hub repository, ORG/NAME")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--revision", help="branch to push to (created if missing; default main)")
+    parser.add_argument("--commit-message", help="commit title")
+    parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    parser.add_argument("--dry-run", action="store_true", help="validate only; upload nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..hub import PushValidationError, files_to_upload, push_to_hub, validate_for_push
+
+    if args.dry_run:
+        problems = validate_for_push(args.model)
+        if problems:
+            print(str(PushValidationError(args.model, problems)), file=sys.stderr)
+            return 1
+        print(f"{args.model} is ready to push ({len(files_to_upload(args.model))} files):")
+        for name in files_to_upload(args.model):
+            print(f"  {name}")
+        return 0
+    try:
+        info = push_to_hub(
+            args.model,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            token=args.token,
+        )
+    except PushValidationError as error:
+        print(f"qkmap push: {error}", file=sys.stderr)
+        return 1
+    except RuntimeError as error:
+        print(f"qkmap push: {error}", file=sys.stderr)
+        return 2
+    print(f"pushed {args.model} to {args.repo_id}: {info.commit_url}")
+    return 0

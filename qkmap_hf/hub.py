@@ -1,0 +1,277 @@
+"""Publish a checkpoint folder to the Hugging Face Hub, after checking that it will work for whoever downloads it.
+
+``validate_for_push`` checks, without uploading anything:
+
+- ``config.json`` parses; a QK-MAP config has ``auto_map`` and every remote-code file it names is in the folder
+  (and none of them imports ``qkmap_hf``, which the downloader may not have);
+- weights are safetensors (all shards of an index present) and no pickle-based file (``*.bin``, ``*.pt``, ...)
+  is anywhere in the folder;
+- ``README.md`` exists and its metadata parses as a ``ModelCard`` (write one with ``qkmap card``);
+- config, weights and tokenizer load in a clean Python process in which ``qkmap_hf`` cannot be imported, with
+  ``trust_remote_code=True`` and a fresh modules cache, and a forward pass gives finite logits.
+
+``push_to_hub`` refuses (``PushValidationError``, nothing created or uploaded) when any check fails, then uses
+``HfApi.create_repo`` and ``HfApi.upload_folder`` with huggingface_hub's usual token (``token=``, ``HF_TOKEN``,
+``hf auth login``) and endpoint (``HF_ENDPOINT``) settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from .version import __version__
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".dill")
+IGNORE_PATTERNS = ["__pycache__/*", "**/__pycache__/*", "*.pyc", "**/*.pyc", ".DS_Store", "**/.DS_Store"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+LOAD_CHECK_TIMEOUT_S = 900
+_IMPORTS_QKMAP_HF = re.compile(r"^\s*(?:from\s+qkmap_hf[\s.]|import\s+qkmap_hf\b)", re.MULTILINE)
+
+_CLEAN_LOAD = textwrap.dedent(
+    """
+    import json, sys
+    class _BlockQKMapHF:
+        def find_spec(self, name, path=None, target=None):
+            if name == "qkmap_hf" or name.startswith("qkmap_hf."):
+                raise ImportError("qkmap_hf is not installed for whoever downloads this model")
+            return None
+    sys.meta_path.insert(0, _BlockQKMapHF())
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    folder, has_tokenizer = sys.argv[1], sys.argv[2] == "1"
+    report = {}
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, output_loading_info=True, dtype=torch.float32
+    )
+    report["class"] = type(model).__module__ + "." + type(model).__name__
+    report["missing_keys"] = sorted(info.get("missing_keys") or [])
+    report["unexpected_keys"] = sorted(info.get("unexpected_keys") or [])
+    report["mismatched_keys"] = [str(k) for k in info.get("mismatched_keys") or []]
+    vocab = getattr(config, "vocab_size", None) or 2
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(8).remainder(vocab).unsqueeze(0)).logits
+    report["finite_logits"] = bool(torch.isfinite(logits).all())
+    if has_tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        report["tokenizer"] = type(tokenizer).__name__
+        report["tokenizer_roundtrip"] = len(tokenizer("To be, or not to be").input_ids) > 0
+    print(json.dumps(report))
+    """
+)
+
+
+class PushValidationError(ValueError):
+    """The folder is not fit for publishing; ``problems`` says what to fix. Nothing was uploaded."""
+
+    def __init__(self, folder: str | Path, problems: list[str]):
+        self.folder = str(folder)
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{folder} is not ready to publish; nothing was uploaded:\n{lines}")
+
+
+def files_to_upload(folder: str | Path) -> list[str]:
+    """Relative paths ``upload_folder`` will send: its own listing and filters (.git, .cache/huggingface) plus ours."""
+    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    folder = Path(folder).resolve()
+    candidates = [p.relative_to(folder).as_posix() for p in sorted(folder.glob("**/*")) if p.is_file()]
+    return list(filter_repo_objects(candidates, ignore_patterns=IGNORE_PATTERNS + DEFAULT_IGNORE_PATTERNS))
+
+
+def _remote_code_files(auto_map: dict) -> set[str]:
+    names = set()
+    for reference in auto_map.values():
+        for item in reference if isinstance(reference, (list, tuple)) else [reference]:
+            if isinstance(item, str) and "." in item:
+                module = item.split("--")[-1].rsplit(".", 1)[0]
+                names.add(f"{module}.py")
+    return names
+
+
+def _check_config(folder: Path, problems: list[str]) -> dict | None:
+    path = folder / "config.json"
+    if not path.is_file():
+        problems.append(f"{path} is missing: save the model with save_pretrained (or `qkmap convert`) first.")
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        problems.append(f"{path} is not valid JSON ({error}).")
+        return None
+    auto_map = config.get("auto_map") or {}
+    if config.get("model_type") == "qkmap":
+        for key in ("AutoConfig", "AutoModelForCausalLM"):
+            if key not in auto_map:
+                problems.append(
+                    f"config.json auto_map lacks {key}: without it the model does not load with trust_remote_code. "
+                    "Re-save it with qkmap_hf imported (QKMapConfig sets auto_map)."
+                )
+    for name in sorted(_remote_code_files(auto_map)):
+        code = folder / name
+        if not code.is_file():
+            problems.append(f"{name} (named by config.json auto_map) is missing; re-save the model with qkmap_hf imported.")
+        elif _IMPORTS_QKMAP_HF.search(code.read_text(encoding="utf-8", errors="replace")):
+            problems.append(f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers.")
+    return config
+
+
+def _check_weights(folder: Path, problems: list[str]) -> None:
+    pickles = [name for name in files_to_upload(folder) if Path(name).suffix in PICKLE_SUFFIXES]
+    if pickles:
+        problems.append(
+            f"pickle-based files {', '.join(pickles)}: loading them can run arbitrary code. Save with "
+            "safe_serialization (safetensors) and remove them."
+        )
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        problems.append(f"no *.safetensors weights in {folder}: save with save_pretrained (safetensors is its default).")
+    for index_path in folder.glob("*.safetensors.index.json"):
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {})
+        except json.JSONDecodeError as error:
+            problems.append(f"{index_path.name} is not valid JSON ({error}).")
+            continue
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            problems.append(f"{index_path.name} names shards that are missing: {', '.join(missing)}.")
+
+
+def _check_card(folder: Path, config: dict | None, problems: list[str]) -> None:
+    from huggingface_hub import ModelCard
+
+    readme = folder / "README.md"
+    if not readme.is_file():
+        problems.append(f"{readme} is missing: write the model card with `qkmap card {folder}`.")
+        return
+    try:
+        card = ModelCard.load(readme, ignore_metadata_errors=False)
+    except Exception as error:  # ModelCard raises ValueError/YAMLError/TypeError for broken metadata
+        problems.append(f"README.md metadata does not parse ({type(error).__name__}: {error}); regenerate it with `qkmap card`.")
+        return
+    data = card.data.to_dict()
+    if not data:
+        problems.append("README.md has no metadata block (license, tags, ...); regenerate it with `qkmap card`.")
+        return
+    if not data.get("license"):
+        problems.append("README.md metadata has no license; pass --license to `qkmap card`.")
+    if config is not None and config.get("auto_map") and "custom_code" not in (data.get("tags") or []):
+        problems.append("README.md tags lack 'custom_code' although the model needs trust_remote_code; regenerate the card.")
+
+
+def clean_load_check(folder: str | Path, timeout: float = LOAD_CHECK_TIMEOUT_S) -> dict[str, Any]:
+    """Load the folder in a fresh interpreter without qkmap_hf (trust_remote_code, offline, fresh modules cache)."""
+    folder = Path(folder).resolve()
+    has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
+    with tempfile.TemporaryDirectory(prefix="qkmap-push-check-") as scratch:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update({"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(scratch) / "modules"), "TOKENIZERS_PARALLELISM": "false"})
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", _CLEAN_LOAD, str(folder), "1" if has_tokenizer else "0"],
+                cwd=scratch,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"the clean load did not finish within {timeout:.0f} s"}
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        return {"error": lines[-1] if lines else f"exit status {result.returncode}", "stderr": result.stderr[-4000:]}
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": f"the clean load printed no report: {result.stdout[-500:]!r}"}
+
+
+def validate_for_push(folder: str | Path, *, load_check: bool = True) -> list[str]:
+    """Problems that make ``folder`` unfit for the Hub (empty list: ready). See the module docstring."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return [f"{folder} is not a folder; pass the checkpoint folder (config.json, weights, README.md)."]
+    problems: list[str] = []
+    config = _check_config(folder, problems)
+    _check_weights(folder, problems)
+    _check_card(folder, config, problems)
+    if load_check and not problems:  # a broken folder fails the load anyway; its static problems say more
+        report = clean_load_check(folder)
+        if "error" in report:
+            problems.append(
+                f"the model does not load without qkmap_hf (trust_remote_code=True, offline): {report['error']}"
+            )
+        else:
+            if report["missing_keys"] or report["unexpected_keys"] or report["mismatched_keys"]:
+                problems.append(
+                    "the weights do not match the model: missing "
+                    f"{report['missing_keys'][:5]}, unexpected {report['unexpected_keys'][:5]}, "
+                    f"mismatched {report['mismatched_keys'][:5]}."
+                )
+            if not report["finite_logits"]:
+                problems.append("a forward pass gives non-finite logits (NaN/inf in the weights?).")
+            if report.get("tokenizer_roundtrip") is False:
+                problems.append("the tokenizer loads but encodes text to nothing.")
+    return problems
+
+
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    endpoint: str | None = None,
+    load_check: bool = True,
+):
+    """Validate ``folder``, then create ``repo_id`` (if needed) and upload the folder in one commit.
+
+    Returns huggingface_hub's ``CommitInfo``. Raises ``PushValidationError`` (nothing uploaded) when the folder
+    fails validation or the Hub rejects the card metadata.
+    """
+    from huggingface_hub import HfApi, constants
+
+    if constants.is_offline_mode():
+        raise RuntimeError("HF_HUB_OFFLINE is set, so huggingface_hub makes no requests; unset it to push.")
+    problems = validate_for_push(folder, load_check=load_check)
+    if problems:
+        raise PushValidationError(folder, problems)
+    api = HfApi(endpoint=endpoint, token=token)
+    validate_yaml = getattr(api, "_validate_yaml", None)  # the Hub's own metadata check, before the repo exists
+    if validate_yaml is not None:
+        try:
+            validate_yaml((Path(folder) / "README.md").read_text(encoding="utf-8"), repo_type="model", token=token)
+        except ValueError as error:
+            raise PushValidationError(folder, [f"the Hub rejects the README.md metadata: {error}"]) from error
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if revision and revision != constants.DEFAULT_REVISION:
+        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        repo_type="model",
+        revision=revision,
+        commit_message=commit_message or f"Upload QK-MAP model with qkmap-hf {__version__}",
+        ignore_patterns=list(IGNORE_PATTERNS),
+    )
+
+
+__all__ = [
+    "PushValidationError",
+    "clean_load_check",
+    "files_to_upload",
+    "push_to_hub",
+    "validate_for_push",
+]
