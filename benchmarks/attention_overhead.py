@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import statistics
 import sys
 import time
@@ -98,8 +99,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
             with torch.no_grad():
                 model(ids)
             model.zero_grad(set_to_none=True)
-            activation = saved_activation_bytes(model, ids) if seq_len <= args.max_train_len else float("nan")
-            rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes", value=activation, repeat=0))
+            if seq_len <= args.max_train_len:
+                rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes",
+                                 value=saved_activation_bytes(model, ids), repeat=0))
         for repeat in range(args.repeats):
             for name, model in models.items():
                 with torch.no_grad():
@@ -203,8 +205,8 @@ def markdown(summary: list[dict]) -> str:
         cells = []
         for variant in VARIANTS:
             s = keyed.get((metric, seq_len, variant))
-            if s is None:
-                cells.append("")
+            if s is None or math.isnan(s["median"]):
+                cells.append("n/a")
             elif metric.endswith("bytes"):
                 cells.append(f"{s['median'] / 2**20:.1f} MiB ({s['cost_ratio']:.2f}x)")
             else:
