@@ -7,6 +7,7 @@ Importing the package registers ``model_type="qkmap"`` with the Auto classes, so
 
 from __future__ import annotations
 
+import importlib.util
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,10 @@ QKMapConfig.register_for_auto_class("AutoConfig")
 QKMapModel.register_for_auto_class("AutoModel")
 QKMapForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 QKMapForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+# peft's per-model-type defaults (LoRA target modules, ...) get a "qkmap" entry, as peft does for llama.
+if importlib.util.find_spec("peft") is not None:
+    from .training import peft_support  # noqa: F401
 
 # Heavier parts load on first use so that `import qkmap_hf` stays fast.
 _LAZY = {

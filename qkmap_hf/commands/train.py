@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 HELP = "Train a size preset from scratch or up-train a checkpoint (Trainer; DDP/FSDP under torchrun; --lora)."
 
@@ -23,5 +24,6 @@ def run(args: argparse.Namespace) -> int:
     summary = f"saved to {result.output_dir}"
     if eval_loss is not None:
         summary += f"; held-out loss {eval_loss:.4f}, perplexity {result.eval_metrics.get('eval_perplexity', 0):.3f}"
-    print(summary)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(summary)
     return 0

@@ -24,7 +24,7 @@ from transformers import Trainer
 
 # Default learning rate of the QK-MAP group as a multiple of the base learning rate, chosen with the comparison
 # harness (docs/compare.md, "Choosing the defaults").
-QKMAP_LR_MULTIPLIER = 1.0
+QKMAP_LR_MULTIPLIER = 10.0
 QKMAP_MODULE_CLASS = "QKMapFeatureMap"
 GROUP_NAMES = ("decay", "no_decay", "qkmap")
 

@@ -65,13 +65,14 @@ def qkmap_lora_config(
     modules_to_save = list(kwargs.pop("modules_to_save", None) or [])
     if train_qk_parameters and model is not None:
         modules_to_save += [m for m in qk_modules_to_save(model) if m not in modules_to_save]
+    if target_modules is not None and not isinstance(target_modules, str):
+        target_modules = list(target_modules)  # a str is peft's regex/"all-linear" form and stays as it is
     return LoraConfig(
         task_type="CAUSAL_LM",
         r=r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
-        target_modules=list(target_modules) if target_modules is not None and not isinstance(target_modules, str)
-        else target_modules,
+        target_modules=target_modules,
         modules_to_save=modules_to_save or None,
         **kwargs,
     )

@@ -12,6 +12,7 @@ produced it. With ``--lora`` the merged model goes there and the adapter into ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -83,7 +84,8 @@ class TrainOptions:
     lora_target_modules: list[str] | None = None
     lora_train_qk: bool = True
     attn_implementation: str = "sdpa"
-    fsdp: str = ""
+    fsdp: bool = False
+    fsdp_config: str | None = None
     dataloader_num_workers: int = 0
     report_to: str = "none"
     disable_tqdm: bool = False
@@ -185,7 +187,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-total-limit", type=int, default=d.save_total_limit)
     g.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the latest checkpoint-* in --output-dir, or from the folder given")
-    g.add_argument("--fsdp", default=d.fsdp, help='e.g. "full_shard auto_wrap": shards by decoder layer')
+    g.add_argument("--fsdp", action="store_true",
+                   help="FSDP (version 2) instead of DDP under torchrun/accelerate, one shard unit per decoder layer")
+    g.add_argument("--fsdp-config", help="JSON file with more Trainer fsdp_config keys (merged over the defaults)")
     g.add_argument("--dataloader-num-workers", type=int, default=d.dataloader_num_workers)
     g.add_argument("--report-to", default=d.report_to, help="Trainer integrations (none, tensorboard, wandb...)")
     g.add_argument("--disable-tqdm", action="store_true")
@@ -288,10 +292,7 @@ def training_arguments(options: TrainOptions, resolved: dict[str, Any], model, h
     on_cpu = not torch.cuda.is_available() and not (
         hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
     )
-    fsdp_config = None
-    if options.fsdp:
-        layer_classes = list(getattr(model, "_no_split_modules", None) or [])
-        fsdp_config = {"transformer_layer_cls_to_wrap": layer_classes} if layer_classes else None
+    fsdp_config = fsdp_settings(options, model) if options.fsdp else None
     save_steps = options.save_steps
     return TrainingArguments(
         output_dir=options.output_dir,
@@ -323,9 +324,25 @@ def training_arguments(options: TrainOptions, resolved: dict[str, Any], model, h
         dataloader_num_workers=options.dataloader_num_workers,
         use_cpu=on_cpu,
         ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
-        fsdp=options.fsdp,
+        fsdp=True if options.fsdp else None,
         fsdp_config=fsdp_config,
     )
+
+
+def fsdp_settings(options: TrainOptions, model) -> dict[str, Any]:
+    """Trainer ``fsdp_config``: wrap every decoder layer (``QKMapDecoderLayer`` for qkmap models) as one unit.
+
+    A decoder layer is the natural unit: its attention (with the small ``qk_map`` module) and MLP run together,
+    so one all-gather per layer serves the whole layer, and the embeddings/head form the root unit.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer_classes = list(getattr(base, "_no_split_modules", None) or [])
+    settings: dict[str, Any] = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    if layer_classes:
+        settings["transformer_layer_cls_to_wrap"] = layer_classes
+    if options.fsdp_config:
+        settings.update(json.loads(Path(options.fsdp_config).read_text()))
+    return settings
 
 
 def resume_checkpoint(options: TrainOptions) -> str | None:
@@ -359,10 +376,8 @@ def _versions() -> dict[str, str]:
 
     versions = {"qkmap_hf": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
     for name in ("peft", "accelerate", "datasets"):
-        try:
+        with contextlib.suppress(ImportError):
             versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
     return versions
 
 
@@ -382,8 +397,35 @@ def _final_save(trainer, model, tokenizer, options: TrainOptions) -> None:
     trainer.save_model(str(output_dir))  # handles FSDP gathering and saves on the main process only
 
 
+def parallel_summary(trainer) -> dict[str, Any]:
+    """How the run was distributed: world size, Trainer parallel mode, and the module classes FSDP wrapped."""
+    wrapped = set()
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without FSDP
+        FSDPModule = FullyShardedDataParallel = ()  # noqa: N806
+    root = getattr(trainer, "model_wrapped", None) or trainer.model
+    for module in root.modules():
+        if isinstance(module, FullyShardedDataParallel):
+            wrapped.add(type(module.module).__name__)
+        elif FSDPModule and isinstance(module, FSDPModule):
+            wrapped.add(next(c.__name__ for c in type(module).__mro__ if c is not FSDPModule and "FSDP" not in c.__name__))
+    return {
+        "world_size": trainer.args.world_size,
+        "parallel_mode": str(trainer.args.parallel_mode.value),
+        "fsdp_wrapped_classes": sorted(wrapped),
+    }
+
+
+def _activation_checkpointing(model) -> bool:
+    """Whether the model recomputes activations (transformers renamed gradient -> activation checkpointing)."""
+    if hasattr(model, "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
 def _write_provenance(path: Path, options: TrainOptions, resolved: dict, data: DataStats, model, result: TrainResult,
-                      world_size: int, resumed_from: str | None) -> None:
+                      parallel: dict, resumed_from: str | None) -> None:
     config = getattr(model, "config", None)
     groups = {name: sum(p.numel() for _, p in members) for name, members in classify_parameters(model).items()}
     record = {
@@ -391,12 +433,14 @@ def _write_provenance(path: Path, options: TrainOptions, resolved: dict, data: D
         "options": asdict(options),
         "resolved": resolved,
         "resumed_from": resumed_from,
-        "world_size": world_size,
+        "world_size": parallel["world_size"],
+        "parallel": parallel,
         "model": {
             "model_type": getattr(config, "model_type", None),
             "qk_mode": getattr(config, "qk_mode", None),
             "parameters": sum(p.numel() for p in model.parameters()),
             "trainable_parameters_by_group": groups,
+            "activation_checkpointing": _activation_checkpointing(model),
         },
         "data": data.to_dict(),
         "train_metrics": result.train_metrics,
@@ -470,6 +514,13 @@ def train(
         qkmap_learning_rate=qkmap_lr,
         qkmap_weight_decay=options.qkmap_weight_decay,
     )
+    if options.fsdp and not trainer.is_fsdp_enabled:
+        logger.warning(
+            "--fsdp: accelerate enables FSDP only on accelerators (CUDA/XPU/NPU...); this run (%s, world size %d) "
+            "uses %s instead. The decoder-layer wrapping is tested on CPU with torch's fully_shard directly "
+            "(tests/test_distributed.py).",
+            trainer.args.device, trainer.args.world_size, trainer.args.parallel_mode.value,
+        )
     resumed_from = resume_checkpoint(options)
     train_output = trainer.train(resume_from_checkpoint=resumed_from)
     eval_metrics: dict = {}
@@ -493,7 +544,7 @@ def train(
         Path(options.output_dir).mkdir(parents=True, exist_ok=True)
         _write_provenance(
             Path(options.output_dir) / PROVENANCE_FILE, options, resolved, data_stats, model, result,
-            trainer.args.world_size, resumed_from,
+            parallel_summary(trainer), resumed_from,
         )
         if has_eval:
             loss = eval_metrics.get("eval_loss")

@@ -1,0 +1,312 @@
+"""``qkmap compare``: train ``standard``, ``qk_norm`` and ``qk_map`` models on equal terms and plot the losses.
+
+Equal terms: one preset (same widths, depths, heads), one tokenized and packed dataset with one held-out split,
+the same seeds (a seed fixes the initial weights shared by all modes and the batch order), the same number of
+steps, batch, schedule and optimizer. Only ``qk_mode`` (and whatever a ``--variant`` names) differs.
+
+Outputs in ``--output-dir``: ``losses.csv`` (``mode,seed,step,split,loss``; ``split`` is ``train`` or
+``validation``), ``train_loss.png`` and ``validation_loss.png`` (mean over seeds with a min/max band),
+``summary.csv``/``summary.md`` (final validation loss per mode: mean, std, min, max, paired difference to
+``standard``, wall time) and ``compare.json`` (the settings). Finished runs found in ``losses.csv`` are skipped,
+so an interrupted comparison continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..modeling.configuration_qkmap import QK_MODES
+from .optim import QKMAP_LR_MULTIPLIER
+from .presets import get_preset
+
+CSV_FIELDS = ("mode", "seed", "step", "split", "loss")
+TRAIN_KEYS = {"learning_rate", "qkmap_learning_rate", "qkmap_lr_multiplier", "weight_decay", "qkmap_weight_decay"}
+
+
+@dataclass
+class Variant:
+    """One arm of the comparison: a label, an attention mode, config fields and training settings."""
+
+    label: str
+    qk_mode: str
+    config: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_variant(text: str) -> Variant:
+    """``LABEL[:key=value,key=value...]``; ``qk_mode`` defaults to LABEL when LABEL is a mode.
+
+    Keys are QKMapConfig fields or training settings (``learning_rate``, ``qkmap_lr_multiplier``...), e.g.
+    ``qk_map_wide_range:qk_mode=qk_map,qkmap_max_frequency=10``.
+    """
+    from .trainer import parse_overrides
+
+    label, _, spec = text.partition(":")
+    label = label.strip()
+    if not label:
+        raise ValueError(f"--variant {text!r} needs a label before ':' (e.g. qk_map:qkmap_max_frequency=10).")
+    values = parse_overrides([item for item in spec.split(",") if item.strip()]) if spec else {}
+    qk_mode = values.pop("qk_mode", label if label in QK_MODES else None)
+    if qk_mode not in QK_MODES:
+        raise ValueError(f"--variant {text!r}: set qk_mode=standard|qk_norm|qk_map (the label is not a mode).")
+    train = {k: values.pop(k) for k in list(values) if k in TRAIN_KEYS}
+    return Variant(label, qk_mode, values, train)
+
+
+@dataclass
+class CompareOptions:
+    """Settings of one comparison; every run shares them (see the module docstring)."""
+
+    data: list[str]
+    output_dir: str
+    preset: str = "tiny"
+    steps: int = 200
+    seeds: int = 3
+    first_seed: int = 0
+    variants: list[Variant] = field(default_factory=lambda: [Variant(mode, mode) for mode in QK_MODES])
+    config: dict[str, Any] = field(default_factory=dict)  # QKMapConfig fields for every run
+    tokenizer: str | None = None
+    text_field: str = "text"
+    block_size: int | None = None
+    batch_size: int | None = None
+    learning_rate: float | None = None
+    qkmap_lr_multiplier: float = QKMAP_LR_MULTIPLIER
+    weight_decay: float = 0.1
+    warmup: float = 0.05
+    eval_steps: int | None = None
+    logging_steps: int | None = None
+    max_eval_blocks: int = 64
+    eval_fraction: float = 0.05
+    split_seed: int = 0
+    max_tokens: int | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class ComparisonResult:
+    csv_path: Path
+    plot_paths: list[Path]
+    summary_path: Path
+    summary: list[dict]
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as handle:
+        return [
+            {"mode": r["mode"], "seed": int(r["seed"]), "step": int(r["step"]), "split": r["split"], "loss": float(r["loss"])}
+            for r in csv.DictReader(handle)
+        ]
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def rows_from_history(label: str, seed: int, history: list[dict]) -> list[dict]:
+    """CSV rows from a Trainer log history: ``loss`` -> train, ``eval_loss`` -> validation."""
+    rows = []
+    for entry in history:
+        if "loss" in entry:
+            rows.append({"mode": label, "seed": seed, "step": int(entry["step"]), "split": "train", "loss": float(entry["loss"])})
+        if "eval_loss" in entry:
+            rows.append(
+                {"mode": label, "seed": seed, "step": int(entry["step"]), "split": "validation", "loss": float(entry["eval_loss"])}
+            )
+    return rows
+
+
+def run_comparison(options: CompareOptions) -> ComparisonResult:
+    """Train every variant x seed, then write the CSV, the plots and the summary."""
+    from .data import build_datasets
+    from .trainer import TrainOptions, load_tokenizer, train
+
+    out = Path(options.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [v.label for v in options.variants]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"variant labels must be unique; got {labels}.")
+    preset = get_preset(options.preset)
+    block_size = options.block_size or preset.block_size
+    eval_steps = options.eval_steps or max(1, options.steps // 10)
+    logging_steps = options.logging_steps or max(1, options.steps // 50)
+    seeds = list(range(options.first_seed, options.first_seed + options.seeds))
+
+    base = TrainOptions(
+        model=options.preset, data=list(options.data), output_dir=str(out / "runs"), tokenizer=options.tokenizer,
+        text_field=options.text_field,
+    )
+    tokenizer = load_tokenizer(base)
+    datasets = build_datasets(
+        options.data, tokenizer, block_size, text_field=options.text_field, eval_fraction=options.eval_fraction,
+        max_eval_blocks=options.max_eval_blocks, split_seed=options.split_seed, max_tokens=options.max_tokens,
+    )
+    settings = {**asdict(options), "block_size": block_size, "eval_steps": eval_steps, "logging_steps": logging_steps,
+                "data_stats": datasets[2].to_dict()}
+    (out / "compare.json").write_text(json.dumps(settings, indent=2, default=str) + "\n")
+
+    csv_path = out / "losses.csv"
+    rows = _read_rows(csv_path)
+    timing_path = out / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    finished = {(r["mode"], r["seed"]) for r in rows if r["split"] == "validation" and r["step"] == options.steps}
+    for seed in seeds:  # seed-major order: a partial comparison already holds every mode for the first seeds
+        for variant in options.variants:
+            if (variant.label, seed) in finished:
+                continue
+            rows = [r for r in rows if not (r["mode"] == variant.label and r["seed"] == seed)]
+            train_settings = {
+                "learning_rate": options.learning_rate,
+                "qkmap_lr_multiplier": options.qkmap_lr_multiplier,
+                "weight_decay": options.weight_decay,
+                **variant.train,
+            }
+            run_options = TrainOptions(
+                model=options.preset,
+                data=list(options.data),
+                output_dir=str(out / "runs" / f"{variant.label}-seed{seed}"),
+                qk_mode=variant.qk_mode,
+                config={**options.config, **variant.config},
+                block_size=block_size,
+                max_steps=options.steps,
+                batch_size=options.batch_size,
+                warmup=options.warmup,
+                seed=seed,
+                logging_steps=logging_steps,
+                eval_steps=eval_steps,
+                save_steps=0,
+                disable_tqdm=True,
+                attn_implementation=options.attn_implementation,
+                bf16="no",
+                **train_settings,
+            )
+            started = time.time()
+            result = train(run_options, datasets=datasets, tokenizer=tokenizer, save=False)
+            timing[f"{variant.label}/{seed}"] = time.time() - started
+            rows += rows_from_history(variant.label, seed, result.log_history)
+            _write_rows(csv_path, rows)
+            timing_path.write_text(json.dumps(timing, indent=2) + "\n")
+    return report(out, options.steps, labels)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------------
+
+
+def summarize(rows: list[dict], final_step: int, labels: Sequence[str], timing: dict | None = None) -> list[dict]:
+    """Final validation loss per mode over seeds, and the paired difference to ``standard`` (same seeds)."""
+    final = defaultdict(dict)
+    for r in rows:
+        if r["split"] == "validation" and r["step"] == final_step:
+            final[r["mode"]][r["seed"]] = r["loss"]
+    reference = final.get("standard", {})
+    summary = []
+    for label in labels:
+        losses = final.get(label, {})
+        if not losses:
+            continue
+        values = list(losses.values())
+        paired = [losses[s] - reference[s] for s in losses if s in reference]
+        seconds = [v for k, v in (timing or {}).items() if k.split("/")[0] == label]
+        summary.append(
+            {
+                "mode": label,
+                "seeds": len(values),
+                "val_loss_mean": statistics.fmean(values),
+                "val_loss_std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "val_loss_min": min(values),
+                "val_loss_max": max(values),
+                "delta_vs_standard": statistics.fmean(paired) if paired and label != "standard" else 0.0,
+                "wins_vs_standard": f"{sum(d < 0 for d in paired)}/{len(paired)}" if label != "standard" else "",
+                "seconds_per_run": statistics.fmean(seconds) if seconds else math.nan,
+            }
+        )
+    return summary
+
+
+def _plot(rows: list[dict], split: str, labels: Sequence[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    tail_values = []
+    for label in labels:
+        by_step = defaultdict(list)
+        for r in rows:
+            if r["mode"] == label and r["split"] == split:
+                by_step[r["step"]].append(r["loss"])
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        means = [statistics.fmean(by_step[s]) for s in steps]
+        axis.plot(steps, means, label=f"{label} (n={max(len(v) for v in by_step.values())})", linewidth=1.6)
+        axis.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps], alpha=0.2)
+        tail_values += [m for s, m in zip(steps, means, strict=True) if s >= 0.2 * steps[-1]]
+    if tail_values:  # the first steps (loss ~ log vocab) would squash the interesting part of the curve
+        low, high = min(tail_values), max(tail_values)
+        margin = 0.08 * (high - low or 1.0)
+        axis.set_ylim(low - margin, high + margin)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel(f"{split} loss (nats/token)")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def report(out: Path, final_step: int, labels: Sequence[str] | None = None) -> ComparisonResult:
+    """(Re)write plots and summary from ``out/losses.csv``."""
+    rows = _read_rows(out / "losses.csv")
+    labels = list(labels or dict.fromkeys(r["mode"] for r in rows))
+    timing_path = out / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    plots = []
+    for split, name in (("train", "train_loss.png"), ("validation", "validation_loss.png")):
+        _plot(rows, split, labels, out / name, f"{split} loss: mean and min/max over seeds")
+        plots.append(out / name)
+    summary = summarize(rows, final_step, labels, timing)
+    with (out / "summary.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(summary[0]) if summary else ["mode"])
+        writer.writeheader()
+        writer.writerows(summary)
+    lines = [
+        f"Final validation loss at step {final_step} (nats/token):",
+        "",
+        "| mode | seeds | mean | std | min | max | mean paired delta vs standard | wins vs standard | s/run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        lines.append(
+            f"| {s['mode']} | {s['seeds']} | {s['val_loss_mean']:.4f} | {s['val_loss_std']:.4f} | {s['val_loss_min']:.4f} "
+            f"| {s['val_loss_max']:.4f} | {s['delta_vs_standard']:+.4f} | {s['wins_vs_standard']} | {s['seconds_per_run']:.0f} |"
+        )
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return ComparisonResult(out / "losses.csv", plots, out / "summary.md", summary)
+
+
+__all__ = ["CompareOptions", "ComparisonResult", "Variant", "parse_variant", "report", "run_comparison", "summarize"]
