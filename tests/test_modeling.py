@@ -253,9 +253,12 @@ def test_output_attentions_are_distributions(mode):
 def test_gradient_checkpointing_gives_the_same_gradients(mode):
     model = make_model(mode).train()
     checkpointed = copy.deepcopy(model)
-    # transformers >= 5.24 renamed the switch; older 5.x only has the first name.
-    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5.24 renamed the switch (and its kwargs argument); older 5.x only has the first name.
+    if hasattr(checkpointed, "activation_checkpointing_enable"):
+        checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)
     x = ids(batch=2, length=10)
     grads = []
     for candidate in (model, checkpointed):
