@@ -381,3 +381,45 @@ def test_flex_attention_equals_eager_with_wide_keys():
     with torch.no_grad():
         diff = (eager(x, attention_mask=mask).logits - flex(x, attention_mask=mask).logits)[mask.bool()]
     assert diff.abs().max().item() < 1e-5
+
+
+def reference_features(z, frequency, gain, cos, sin):
+    """The method doc's formula written out with loops: one block at a time, Llama's RoPE per block."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+
+    batch, heads, seq, m = z.shape
+    kv_heads, num_freq = frequency.shape[:2]
+    out = []
+    for head in range(heads):
+        kv = head // (heads // kv_heads)  # GQA: a query head uses its key head's frequencies and gains
+        blocks = []
+        for f in range(num_freq):
+            phase = z[:, head].double() * frequency[kv, f].double()
+            for row, fn in ((2 * f, torch.cos), (2 * f + 1, torch.sin)):
+                block = (gain[kv, row].double() * fn(phase))[:, None]
+                rotated, _ = llama_rope(block, block, cos.double(), sin.double())
+                blocks.append(rotated[:, 0])
+        out.append(torch.cat(blocks, dim=-1))
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("num_frequencies,sharing", [(1, "channel"), (2, "channel"), (3, "head")])
+def test_fused_feature_map_equals_the_written_out_formula(num_frequencies, sharing):
+    config = QKMapConfig(qk_mode="qk_map", qkmap_num_frequencies=num_frequencies, qkmap_frequency_sharing=sharing,
+                         **tiny_config_kwargs())
+    model = QKMapForCausalLM(config)
+    feature_map = model.model.layers[0].self_attn.qk_map
+    with torch.no_grad():
+        feature_map.query_gain.normal_()
+        feature_map.key_gain.normal_()
+    cos, sin = model.model.rotary_emb(torch.empty(0), torch.arange(5, 12).unsqueeze(0))
+    q = torch.randn(2, config.num_attention_heads, 7, config.qkmap_feature_dim_per_block)
+    k = torch.randn(2, config.num_key_value_heads, 7, config.qkmap_feature_dim_per_block)
+    with torch.no_grad():
+        fused_q, fused_k = feature_map(q, k, cos, sin)
+        omega = feature_map.frequency()
+        omega_full = omega.expand(-1, -1, config.qkmap_feature_dim_per_block)
+        expected_q = reference_features(q, omega_full, feature_map.query_gain, cos, sin)
+        expected_k = reference_features(k, omega_full, feature_map.key_gain, cos, sin)
+    assert (fused_q.double() - expected_q).abs().max().item() < 1e-5
+    assert (fused_k.double() - expected_k).abs().max().item() < 1e-5
