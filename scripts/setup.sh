@@ -12,7 +12,7 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     # Elsewhere, add: --index-url https://download.pytorch.org/whl/cpu (not reachable from our machines).
     "$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_CPU_VERSION}"
 fi
-echo "[setup] installing qkmap-hf with its extras (train, eval, gguf, dev)"
-"$PYTHON" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+echo "[setup] installing qkmap-hf with its dependencies and the gguf and dev extras"
+"$PYTHON" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[dev]"
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 "$PYTHON" -c "import torch, transformers, qkmap_hf; print(f'[setup] qkmap-hf {qkmap_hf.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
