@@ -14,16 +14,13 @@ product as users run it:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 from . import assets
+from .cleanroom import run_without_qkmap_hf
 
 DEFAULT_TASKS = ("qkmap_shakespeare_ppl", "qkmap_next_line")
 HELD_OUT_PLAY = "tempest"  # verification text: a play, not a training file
@@ -31,11 +28,6 @@ HELD_OUT_PLAY = "tempest"  # verification text: a play, not a training file
 _GENERATE_WITHOUT_PACKAGE = textwrap.dedent(
     """
     import json, sys
-    class _Block:
-        def find_spec(self, name, path=None, target=None):
-            if name == "qkmap_hf" or name.startswith("qkmap_hf."):
-                raise ImportError("qkmap_hf is not installed in this interpreter")
-    sys.meta_path.insert(0, _Block())
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, prompt = sys.argv[1], sys.argv[2]
@@ -90,11 +82,7 @@ def headline_metrics(results_path: Path) -> dict[str, dict[str, float]]:
 
 
 def generate_without_package(folder: Path, prompt: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as scratch:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update({"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(scratch) / "modules")})
-        result = subprocess.run([sys.executable, "-c", _GENERATE_WITHOUT_PACKAGE, str(folder), prompt],
-                                cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+    result = run_without_qkmap_hf(_GENERATE_WITHOUT_PACKAGE, [str(folder), prompt], timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"the staged model did not load without qkmap_hf:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -18,15 +18,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
 
+from .cleanroom import run_without_qkmap_hf
 from .version import __version__
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".dill")
@@ -38,12 +36,6 @@ _IMPORTS_QKMAP_HF = re.compile(r"^\s*(?:from\s+qkmap_hf[\s.]|import\s+qkmap_hf\b
 _CLEAN_LOAD = textwrap.dedent(
     """
     import json, sys
-    class _BlockQKMapHF:
-        def find_spec(self, name, path=None, target=None):
-            if name == "qkmap_hf" or name.startswith("qkmap_hf."):
-                raise ImportError("qkmap_hf is not installed for whoever downloads this model")
-            return None
-    sys.meta_path.insert(0, _BlockQKMapHF())
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     folder, has_tokenizer = sys.argv[1], sys.argv[2] == "1"
@@ -173,20 +165,10 @@ def clean_load_check(folder: str | Path, timeout: float = LOAD_CHECK_TIMEOUT_S) 
     """Load the folder in a fresh interpreter without qkmap_hf (trust_remote_code, offline, fresh modules cache)."""
     folder = Path(folder).resolve()
     has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
-    with tempfile.TemporaryDirectory(prefix="qkmap-push-check-") as scratch:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update({"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(scratch) / "modules"), "TOKENIZERS_PARALLELISM": "false"})
-        try:
-            result = subprocess.run(
-                [sys.executable, "-c", _CLEAN_LOAD, str(folder), "1" if has_tokenizer else "0"],
-                cwd=scratch,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"the clean load did not finish within {timeout:.0f} s"}
+    try:
+        result = run_without_qkmap_hf(_CLEAN_LOAD, [str(folder), "1" if has_tokenizer else "0"], timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the clean load did not finish within {timeout:.0f} s"}
     if result.returncode != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         return {"error": lines[-1] if lines else f"exit status {result.returncode}", "stderr": result.stderr[-4000:]}

@@ -13,3 +13,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models train fastest on one thread; two threads on two shared cores wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -7,7 +7,6 @@ import json
 from collections import Counter
 
 import pytest
-import torch
 
 from qkmap_hf.assets import shakespeare_text
 from qkmap_hf.training.compare import CompareOptions, Variant, parse_variant, report, run_comparison
@@ -15,12 +14,7 @@ from qkmap_hf.training.compare import CompareOptions, Variant, parse_variant, re
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_parse_variant():

@@ -10,20 +10,12 @@ import torch
 
 import qkmap_hf  # noqa: F401  (registers model_type "qkmap")
 from qkmap_hf.assets import shakespeare_text
+from qkmap_hf.training import peft_support
 from qkmap_hf.training.data import byte_level_tokenizer
 from qkmap_hf.training.presets import preset_config
 from tests.utils import run_clean_python
 
-peft = pytest.importorskip("peft")
-from qkmap_hf.training import peft_support  # noqa: E402  (registers qkmap's defaults on import)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny(mode: str = "qk_map"):
