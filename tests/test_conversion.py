@@ -29,7 +29,7 @@ import qkmap_hf
 from qkmap_hf.conversion import SUPPORTED_ARCHITECTURES, convert_checkpoint, convert_model
 from qkmap_hf.modeling.modeling_qkmap import QKMapFeatureMap
 
-from .utils import run_clean_python, tiny_config_kwargs
+from .utils import kl_per_token, run_clean_python, tiny_config_kwargs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KL_BOUND = 1e-6
@@ -59,12 +59,6 @@ def _tiny(kind: str) -> torch.nn.Module:
                 if name.endswith(".bias"):
                     param.normal_(std=0.3)
     return model.eval()
-
-
-def kl_per_token(source_logits: torch.Tensor, converted_logits: torch.Tensor) -> torch.Tensor:
-    p = source_logits.double().log_softmax(-1)
-    q = converted_logits.double().log_softmax(-1)
-    return (p.exp() * (p - q)).sum(-1)
 
 
 def greedy(model: torch.nn.Module, prompt: torch.Tensor, tokens: int = GREEDY_TOKENS) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from qkmap_hf.cleanroom import run_without_qkmap_hf
 
 TINY = dict(
@@ -20,6 +22,13 @@ TINY = dict(
 
 def tiny_config_kwargs(**overrides) -> dict:
     return {**TINY, **overrides}
+
+
+def kl_per_token(reference_logits: torch.Tensor, other_logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) per position, in float64 nats."""
+    p = reference_logits.double().log_softmax(-1)
+    q = other_logits.double().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1)
 
 
 def run_clean_python(code: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> dict:

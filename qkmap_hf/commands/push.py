@@ -26,8 +26,9 @@ def run(args: argparse.Namespace) -> int:
         if problems:
             print(str(PushValidationError(args.model, problems)), file=sys.stderr)
             return 1
-        print(f"{args.model} is ready to push ({len(files_to_upload(args.model))} files):")
-        for name in files_to_upload(args.model):
+        files = files_to_upload(args.model)
+        print(f"{args.model} is ready to push ({len(files)} files):")
+        for name in files:
             print(f"  {name}")
         return 0
     try:
