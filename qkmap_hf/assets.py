@@ -114,26 +114,6 @@ def shakespeare_text(max_chars: int | None = None, plays: tuple[str, ...] | None
     return text if max_chars is None else text[:max_chars]
 
 
-def load_gguf_causal_lm(directory: str | os.PathLike, gguf_file: str, dtype=None):
-    """Load a GGUF checkpoint with transformers as a plain (dequantized) model, plus its tokenizer.
-
-    transformers attaches a gguf quantization config on load; it is dropped here so that the model saves
-    (and converts) as an ordinary float checkpoint. ``dtype`` defaults to float32 (GGUF dequantizes to it).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=gguf_file, dtype=torch.float32 if dtype is None else dtype
-    )
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    for holder in (model.config, model):
-        if hasattr(holder, "quantization_config"):
-            delattr(holder, "quantization_config")
-    model.hf_quantizer = None
-    return model, tokenizer
-
-
 def smollm2_hf_dir() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face safetensors folder (float32, dequantized from the GGUF).
 
@@ -142,6 +122,8 @@ def smollm2_hf_dir() -> Path:
     """
 
     def fill(staging: Path) -> None:
+        from .conversion.sources import load_gguf_causal_lm
+
         model, tokenizer = load_gguf_causal_lm(smollm2_gguf_dir(), SMOLLM2_GGUF_NAME)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

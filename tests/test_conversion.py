@@ -339,4 +339,9 @@ def test_cli_command_and_script(converted, tmp_path):
 
 
 def test_supported_architectures_listed():
-    assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert set(SUPPORTED_ARCHITECTURES) == {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }

@@ -22,11 +22,11 @@ from transformers import (
 )
 
 from qkmap_hf.conversion import ConversionError, convert_checkpoint
-from qkmap_hf.conversion import engine as conversion_engine
+from qkmap_hf.conversion import plan as conversion_plan
 
 from .utils import tiny_config_kwargs
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_config_that_does_not_match_the_weights(pristine, tmp_path):
 @pytest.mark.parametrize(
     ("architecture", "reason"),
     [
-        ("Qwen3ForCausalLM", "q_norm"),
+        ("Olmo2ForCausalLM", "normalizes queries and keys"),
         ("Phi3ForCausalLM", "fused"),
         ("MixtralForCausalLM", "mixture-of-experts"),
         ("FancyNewForCausalLM", "cannot be converted"),
@@ -246,7 +246,7 @@ def test_existing_destination_needs_overwrite(pristine, tmp_path):
 def test_crash_midway_leaves_nothing_and_keeps_old_destination(pristine, tmp_path, monkeypatch, interrupt):
     """Ctrl-C (or a disk error) after some tensors were written: no DST, no temp folder; an old DST survives."""
     src = copy_source(pristine, tmp_path)
-    original = conversion_engine.ConversionPlan.materialize
+    original = conversion_plan.ConversionPlan.materialize
     calls = {"n": 0}
 
     def flaky(self, planned, read):
@@ -255,7 +255,7 @@ def test_crash_midway_leaves_nothing_and_keeps_old_destination(pristine, tmp_pat
             raise interrupt("simulated crash")
         return original(self, planned, read)
 
-    monkeypatch.setattr(conversion_engine.ConversionPlan, "materialize", flaky)
+    monkeypatch.setattr(conversion_plan.ConversionPlan, "materialize", flaky)
     expect_failure(src, tmp_path / "dst", "simulated crash", error=interrupt)
     old = tmp_path / "old"
     old.mkdir()

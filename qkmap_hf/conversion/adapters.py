@@ -2,25 +2,22 @@
 
 An adapter answers three questions for one family of Llama-style checkpoints and nothing else: can this
 source be converted exactly (refusals with a reason), which config fields carry over (and which are
-forced), and what happens to individual tensors (renames, transforms, tensors the QK-MAP layout adds).
-The streaming engine (``engine.py``) does the rest, the same way for every family. A new family joins
-with a small class and ``@register_adapter("XForCausalLM")``.
+forced), and which output tensors each source tensor becomes (``tensor_outputs``: none, one, or several;
+an output computed from several source tensors names them all). The plan (``plan.py``) and the writer
+(``writer.py``) do the rest, the same way for every family. A family joins with a small file in
+``families/`` holding a subclass decorated with ``@register_adapter("XForCausalLM")``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
 
 from ..modeling.configuration_qkmap import QKMapConfig
-
-
-class ConversionError(ValueError):
-    """A source that cannot be converted; the message names the file or field and what to do."""
-
+from .errors import ConversionError
 
 # Fields a QK-MAP config accepts (Llama's plus the generic ones); everything else in a source config is
 # dropped, so family-specific switches (sliding windows, layer types) cannot leak into the new model.
@@ -35,9 +32,8 @@ ADAPTERS: dict[str, type[ArchitectureAdapter]] = {}
 
 # Families we know and refuse, with the reason; anything else unknown is refused generically.
 KNOWN_UNSUPPORTED: dict[str, str] = {
-    "Qwen3ForCausalLM": "it already normalizes queries and keys (q_norm/k_norm)",
-    "Olmo2ForCausalLM": "it already normalizes queries and keys (q_norm/k_norm)",
-    "Gemma3ForCausalLM": "it already normalizes queries and keys (q_norm/k_norm)",
+    "Olmo2ForCausalLM": "it normalizes queries and keys over all heads at once (not per head)",
+    "Gemma3ForCausalLM": "it normalizes queries and keys with Gemma's (1 + weight) RMSNorm and alternates sliding layers",
     "CohereForCausalLM": "it normalizes queries and keys and uses parallel blocks",
     "Phi3ForCausalLM": "its attention uses one fused qkv_proj",
     "GPTNeoXForCausalLM": "its attention uses one fused query_key_value projection",
@@ -49,6 +45,20 @@ KNOWN_UNSUPPORTED: dict[str, str] = {
     "Gemma2ForCausalLM": "it alternates sliding-window layers and soft-caps logits",
     "QKMapForCausalLM": "it is already a QK-MAP model",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the converted checkpoint and how it is computed.
+
+    ``compute(*tensors)`` receives the source tensors named in ``sources`` (in that order) and returns the
+    output; ``None`` means the single source unchanged. No sources: a tensor the conversion creates
+    (``compute()`` with no arguments). The shape is checked against the QK-MAP model when planning.
+    """
+
+    name: str
+    sources: tuple[str, ...] = ()
+    compute: Callable[..., torch.Tensor] | None = None
 
 
 def register_adapter(*architectures: str) -> Callable[[type[ArchitectureAdapter]], type[ArchitectureAdapter]]:
@@ -109,79 +119,49 @@ class ArchitectureAdapter:
                 raise ConversionError(
                     f"{where}: tensor {name!r} shows that {reason}; {self.architecture} checkpoints with this layout "
                     f"cannot be converted exactly. Supported: {', '.join(supported_architectures())} with separate "
-                    "q_proj/k_proj/v_proj and no q/k norms."
+                    "q_proj/k_proj/v_proj (q/k norms only where the family has them, as Qwen3 does)."
                 )
 
-    def rename(self, name: str) -> str | None:
-        """Output name of a source tensor, or ``None`` to drop it (recomputed buffers)."""
-        return None if name.endswith(_DROPPED_SUFFIXES) else name
+    def tensor_outputs(self, name: str, config: QKMapConfig) -> Iterable[OutputTensor]:
+        """The output tensors source tensor ``name`` contributes to: none (dropped), one, or several (a split).
 
-    def transform(self, name: str, tensor: torch.Tensor, config: QKMapConfig) -> torch.Tensor:
-        """Transform one tensor (output name ``name``). Exact and canonical inits copy W_q/W_k unchanged:
-        with ``m = head_dim`` the projections feed ``z`` as they fed RoPE before."""
-        return tensor
+        An output computed from several source tensors (a merge) may be yielded by each of them with the
+        same ``sources``; it is planned once. Exact and canonical inits copy W_q/W_k unchanged: with
+        ``m = head_dim`` the projections feed ``z`` as they fed RoPE before.
+        """
+        if not name.endswith(_DROPPED_SUFFIXES):
+            yield OutputTensor(name, (name,))
 
-    def extra_tensors(self, config: QKMapConfig) -> dict[str, Callable[[tuple[int, ...]], torch.Tensor]]:
-        """Tensors the QK-MAP layout needs that the source lacks (beyond qk_map), as ``name -> make(shape)``."""
-        return {}
+    def created_tensors(self, config: QKMapConfig) -> Iterator[OutputTensor]:
+        """Tensors the QK-MAP layout needs that the source lacks (beyond qk_map); skipped where the source has them."""
+        yield from ()
 
 
-def _is_sliding(config: dict[str, Any]) -> bool:
+def is_sliding(config: dict[str, Any]) -> bool:
+    """Whether a window is set and shorter than the context (transformers ignores it otherwise)."""
     window = config.get("sliding_window")
     limit = config.get("max_position_embeddings")
     return window is not None and (limit is None or int(window) < int(limit))
 
 
-@register_adapter("LlamaForCausalLM")
-class LlamaAdapter(ArchitectureAdapter):
-    """Llama, and everything saved as Llama (SmolLM, TinyLlama, Llama 2/3, ...)."""
-
-
-@register_adapter("MistralForCausalLM")
-class MistralAdapter(ArchitectureAdapter):
-    """Mistral is Llama without biases, plus an optional sliding window over every layer."""
-
-    forced_fields: ClassVar[dict[str, Any]] = {"attention_bias": False, "mlp_bias": False}
-
-    def check_config(self, config: dict[str, Any], where: str) -> None:
-        if _is_sliding(config):
-            raise ConversionError(
-                f"{where}: MistralForCausalLM with sliding_window={config['sliding_window']} < "
-                f"max_position_embeddings={config.get('max_position_embeddings')} attends through a sliding window in "
-                "every layer; QK-MAP models attend over the full causal context, so the conversion would not be exact "
-                "beyond the window. Convert a release with sliding_window null (Mistral v0.2 and later)."
-            )
-
-
-@register_adapter("Qwen2ForCausalLM")
-class Qwen2Adapter(ArchitectureAdapter):
-    """Qwen2: biases on q/k/v but not on o; the QK-MAP layout gets a zero o_proj bias (exact)."""
-
-    forced_fields: ClassVar[dict[str, Any]] = {"attention_bias": True, "mlp_bias": False}
-
-    def check_config(self, config: dict[str, Any], where: str) -> None:
-        layers = int(config.get("num_hidden_layers") or 0)
-        if config.get("layer_types"):
-            sliding = [i for i, kind in enumerate(config["layer_types"]) if kind != "full_attention"]
-        elif config.get("use_sliding_window"):
-            sliding = list(range(int(config.get("max_window_layers", 28)), layers))
-        else:
-            sliding = []
-        if not config.get("use_sliding_window") or not _is_sliding(config):
-            sliding = []  # transformers disables the window in these cases; every layer is full attention
-        if sliding:
-            raise ConversionError(
-                f"{where}: Qwen2ForCausalLM uses sliding-window attention (sliding_window="
-                f"{config.get('sliding_window')}) in layers {sliding[:8]}{'...' if len(sliding) > 8 else ''}; QK-MAP "
-                "models attend over the full causal context, so only Qwen2 checkpoints with use_sliding_window=false "
-                "(or a window no shorter than max_position_embeddings) convert exactly."
-            )
-
-    def extra_tensors(self, config: QKMapConfig) -> dict[str, Callable[[tuple[int, ...]], torch.Tensor]]:
-        return {
-            f"model.layers.{i}.self_attn.o_proj.bias": lambda shape: torch.zeros(shape)
-            for i in range(config.num_hidden_layers)
-        }
+def refuse_sliding_layers(config: dict[str, Any], where: str, architecture: str) -> None:
+    """Qwen2/Qwen3 rule: layers listed in ``layer_types`` (or from ``max_window_layers`` on) slide when enabled."""
+    layers = int(config.get("num_hidden_layers") or 0)
+    if config.get("layer_types"):
+        sliding = [i for i, kind in enumerate(config["layer_types"]) if kind != "full_attention"]
+    elif config.get("use_sliding_window"):
+        sliding = list(range(int(config.get("max_window_layers", 28)), layers))
+    else:
+        sliding = []
+    if not config.get("use_sliding_window") or not is_sliding(config):
+        sliding = []  # transformers disables the window in these cases; every layer is full attention
+    if sliding:
+        raise ConversionError(
+            f"{where}: {architecture} uses sliding-window attention (sliding_window="
+            f"{config.get('sliding_window')}) in layers {sliding[:8]}{'...' if len(sliding) > 8 else ''}; QK-MAP "
+            f"models attend over the full causal context, so only {architecture} checkpoints with "
+            "use_sliding_window=false (or a window no shorter than max_position_embeddings) convert exactly."
+        )
 
 
 def adapter_for(architecture: str | None, where: str) -> ArchitectureAdapter:
@@ -199,5 +179,19 @@ def adapter_for(architecture: str | None, where: str) -> ArchitectureAdapter:
     raise ConversionError(
         f"{where}: architecture {architecture} cannot be converted to QK-MAP attention{because}. Supported "
         f"architectures: {supported} (and models saved as one of them, e.g. SmolLM, TinyLlama). Fused qkv "
-        "projections, mixture-of-experts, sliding-window-only models and models with q/k norms are refused."
+        "projections, mixture-of-experts and sliding-window-only models are refused."
     )
+
+
+__all__ = [
+    "ADAPTERS",
+    "KNOWN_UNSUPPORTED",
+    "ArchitectureAdapter",
+    "ConversionError",
+    "OutputTensor",
+    "adapter_for",
+    "is_sliding",
+    "refuse_sliding_layers",
+    "register_adapter",
+    "supported_architectures",
+]

@@ -47,6 +47,10 @@ class QKMapConfig(LlamaConfig):
     - ``qkmap_init``: ``"native"`` (geometric omega, unit gains) or ``"exact"`` (every omega equals
       ``qkmap_exact_frequency``, sine gain ``1/omega``, cosine gain 0: the block computes ``z``).
     - ``qkmap_exact_frequency``: ``omega_0`` of the exact initialisation.
+    - ``qkmap_input_norm``: a per-head RMSNorm (``q_norm``/``k_norm``, with weights) on ``z`` before the
+      feature map, ``phi(RMSNorm(z))``: how a QK-Norm source (Qwen3) converts exactly.
+    - ``qkmap_input_norm_power`` (``beta`` in [0, 1]): the norm divides by ``rms(z)^beta * r^(1 - beta)``
+      (``r`` a per-head reference scale): 1 is the full norm, 0 a fixed scale that folds into the projection.
     """
 
     model_type = "qkmap"
@@ -63,10 +67,13 @@ class QKMapConfig(LlamaConfig):
     qkmap_gain_parametrization: str = "absolute"
     qkmap_init: str = "native"
     qkmap_exact_frequency: float = 1e-3
+    qkmap_input_norm: bool = False
+    qkmap_input_norm_power: float = 1.0
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self.validate_qkmap()
+        self.validate_qkmap_input_norm()
         # Saved checkpoints load without qkmap_hf through these entries and the files copied beside them.
         self.auto_map = dict(AUTO_MAP)
 
@@ -116,6 +123,22 @@ class QKMapConfig(LlamaConfig):
             )
         if self.qkmap_logit_scale is not None:
             positive("qkmap_logit_scale", self.qkmap_logit_scale, float)
+
+    def validate_qkmap_input_norm(self) -> None:
+        """The input norm exists in the qk_map mode only, with a power in [0, 1]."""
+        if not isinstance(self.qkmap_input_norm, bool):
+            raise ValueError(f"QKMapConfig.qkmap_input_norm={self.qkmap_input_norm!r} is invalid; it must be a bool.")
+        if self.qkmap_input_norm and self.qk_mode != "qk_map":
+            raise ValueError(
+                f"QKMapConfig.qkmap_input_norm=True needs qk_mode='qk_map' (got {self.qk_mode!r}); qk_norm mode "
+                "already normalizes queries and keys."
+            )
+        power = self.qkmap_input_norm_power
+        if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0.0 <= power <= 1.0:
+            raise ValueError(
+                f"QKMapConfig.qkmap_input_norm_power={power!r} is invalid; it must be a number in [0, 1] "
+                "(1: full RMSNorm, 0: a fixed per-head scale)."
+            )
 
     @property
     def qkmap_feature_dim_per_block(self) -> int:

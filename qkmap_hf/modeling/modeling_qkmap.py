@@ -172,6 +172,32 @@ class QKMapFeatureMap(nn.Module):
         )
 
 
+class QKMapInputRMSNorm(LlamaRMSNorm):
+    """Per-head RMSNorm on ``z`` before the feature map (``qkmap_input_norm``), raised to a power ``beta``:
+    ``weight * z / (rms(z)^beta * r^(1 - beta))`` with ``r`` a per-head reference scale.
+
+    ``beta = 1`` (``qkmap_input_norm_power``) is Qwen3's ``q_norm``/``k_norm`` exactly, where a converted Qwen3
+    starts (``r`` unused); ``beta = 0`` is the fixed per-channel scale ``weight / r``, which folds into the
+    projection and leaves plain QK-MAP. Annealing ``beta`` from 1 to 0 heals the norm away.
+    """
+
+    def __init__(self, config: QKMapConfig, num_heads: int):
+        super().__init__(config.projection_dim, eps=config.rms_norm_eps)
+        self.config = config
+        self.reference_scale = nn.Parameter(torch.ones(num_heads), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        power = self.config.qkmap_input_norm_power
+        if power == 1:
+            return super().forward(hidden_states)
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        reference = self.reference_scale.float().unsqueeze(-1)  # (heads, 1) against (..., heads, dim)
+        scale = (variance + self.variance_epsilon).pow(-power / 2) * reference.pow(power - 1)
+        return self.weight * (hidden_states * scale).to(input_dtype)
+
+
 class QKMapAttention(nn.Module):
     """Llama attention whose queries and keys follow ``config.qk_mode``; values and output are Llama's."""
 
@@ -201,6 +227,9 @@ class QKMapAttention(nn.Module):
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         elif self.qk_mode == "qk_map":
             self.qk_map = QKMapFeatureMap(config)
+            if config.qkmap_input_norm:
+                self.q_norm = QKMapInputRMSNorm(config, config.num_attention_heads)
+                self.k_norm = QKMapInputRMSNorm(config, config.num_key_value_heads)
 
     def forward(
         self,
@@ -216,7 +245,7 @@ class QKMapAttention(nn.Module):
         query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
         key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
         value_states = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        if self.qk_mode == "qk_norm":
+        if self.qk_mode == "qk_norm" or hasattr(self, "q_norm"):  # qk_norm mode, or qk_map's input norm
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
 
@@ -325,6 +354,8 @@ class QKMapPreTrainedModel(PreTrainedModel):
         if isinstance(module, QKMapFeatureMap):
             for name, value in module.initial_values().items():
                 init.copy_(getattr(module, name), value)
+        if isinstance(module, QKMapInputRMSNorm):
+            init.ones_(module.reference_scale)
 
 
 def rope_config_for_width(config: QKMapConfig, width: int) -> QKMapConfig:
@@ -457,6 +488,7 @@ __all__ = [
     "QKMapAttention",
     "QKMapFeatureMap",
     "QKMapForCausalLM",
+    "QKMapInputRMSNorm",
     "QKMapForSequenceClassification",
     "QKMapModel",
     "QKMapPreTrainedModel",

@@ -1,0 +1,178 @@
+"""Packaging a conversion for people: provenance, optional verification against the source, and the model card.
+
+``convert_checkpoint`` is the product the CLI, the ``conversion/`` script and the demo call: the library
+conversion (``api.convert_to_folder``) plus this step, run inside the same atomic folder, so the card,
+``qkmap_conversion.json`` and ``verification.json`` appear together with the weights or not at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .api import ConversionResult, convert_to_folder
+from .errors import ConversionError
+from .options import DEFAULT_OMEGA0, ConversionOptions
+from .sources import DEFAULT_MAX_SHARD_BYTES, ResolvedSource, looks_like_repo_id, resolve_source
+
+PROVENANCE_NAME = "qkmap_conversion.json"
+VERIFICATION_NAME = "verification.json"
+
+
+def conversion_provenance(result: ConversionResult, base_model: str | None = None) -> dict[str, Any]:
+    """The record the card files under "Conversion": what was converted, how, and with which versions."""
+    options, config, resolved = result.options, result.config, result.resolved
+    provenance: dict[str, Any] = {
+        "kind": "conversion",  # qkmap_hf.cards files this record under "Conversion"
+        "source": resolved.label,
+        "source_architecture": result.architecture,
+        "base_model": base_model or _guess_base_model(resolved, result.source_config),
+        "init": options.init,
+        "omega_0": options.omega0 if options.init == "exact" else None,
+        "num_frequencies": options.num_frequencies,
+        "gain_parametrization": config.qkmap_gain_parametrization,
+        "input_norm": bool(getattr(config, "qkmap_input_norm", False)),
+        "dtype": config.dtype,
+        "qkmap_hf_version": _qkmap_version(),
+        "transformers_version": _package_version("transformers"),
+        "torch_version": torch.__version__,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if options.init == "canonical":
+        provenance["frequency_range"] = [config.qkmap_min_frequency, config.qkmap_max_frequency]
+    if resolved.gguf_file is not None:
+        provenance["gguf_file"] = resolved.gguf_file
+    if str(resolved.directory) != resolved.label:
+        provenance["source_path"] = str(resolved.directory)
+    return provenance
+
+
+def package_conversion(
+    folder: Path,
+    result: ConversionResult,
+    *,
+    verify_text: str | os.PathLike | None = None,
+    max_tokens: int = 512,
+    generate_tokens: int = 64,
+    base_model: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Write provenance, the verification report (with ``verify_text``) and README.md into ``folder``."""
+    from ..cards import write_model_card
+
+    provenance = conversion_provenance(result, base_model)
+    if verify_text is not None:
+        from ..verify import verify_conversion
+
+        report = verify_conversion(
+            result.source_model if result.source_model is not None else result.resolved.directory,
+            folder,
+            verify_text,
+            max_tokens=max_tokens,
+            generate_tokens=generate_tokens,
+            tokenizer=result.tokenizer,
+            source_label=result.resolved.label,
+            converted_label=str(result.dst),
+        )
+        report.save(folder / VERIFICATION_NAME)
+        provenance["verification"] = report.summary()
+        if progress:
+            print(report.table())
+    (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
+    write_model_card(folder, provenance=provenance, model_name=result.dst.name)
+    return provenance
+
+
+def convert_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    init: str = "exact",
+    num_frequencies: int = 1,
+    omega0: float = DEFAULT_OMEGA0,
+    dtype: torch.dtype | str | None = None,
+    gguf_file: str | None = None,
+    verify_text: str | os.PathLike | None = None,
+    max_tokens: int = 512,
+    generate_tokens: int = 64,
+    overwrite: bool = False,
+    base_model: str | None = None,
+    progress: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Convert a Llama-style checkpoint on disk (safetensors folder, cached repo id, or GGUF) into ``dst``.
+
+    ``dst`` loads with ``AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)`` without qkmap_hf
+    and carries its card and provenance. With ``verify_text`` the converted model is checked against the
+    source before ``dst`` appears (``verification.json``). Returns ``dst``. Raises ``ConversionError``
+    naming the file or field on bad input.
+    """
+    ConversionOptions(init, num_frequencies, omega0, dtype)  # bad options first, before touching SRC
+    resolved: ResolvedSource = resolve_source(src, gguf_file, cache_dir)
+    if verify_text is not None and not resolved.has_tokenizer:
+        raise ConversionError(
+            f"{resolved.directory}: no tokenizer files, so --verify cannot tokenize the text; add the source's "
+            "tokenizer files or convert without --verify."
+        )
+
+    def finish(folder: Path, result: ConversionResult) -> None:
+        package_conversion(
+            folder,
+            result,
+            verify_text=verify_text,
+            max_tokens=max_tokens,
+            generate_tokens=generate_tokens,
+            base_model=base_model,
+            progress=progress,
+        )
+
+    result = convert_to_folder(
+        resolved,
+        dst,
+        init=init,
+        num_frequencies=num_frequencies,
+        omega0=omega0,
+        dtype=dtype,
+        overwrite=overwrite,
+        progress=progress,
+        max_shard_bytes=max_shard_bytes,
+        finish=finish,
+    )
+    return result.dst
+
+
+def _guess_base_model(resolved: ResolvedSource, config: dict[str, Any]) -> str:
+    if resolved.repo_id:
+        return resolved.repo_id
+    name = config.get("_name_or_path") or ""
+    return name if looks_like_repo_id(name) and "/" in name and not Path(name).exists() else resolved.label
+
+
+def _qkmap_version() -> str:
+    from ..version import __version__
+
+    return __version__
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+__all__ = [
+    "PROVENANCE_NAME",
+    "VERIFICATION_NAME",
+    "conversion_provenance",
+    "convert_checkpoint",
+    "package_conversion",
+]

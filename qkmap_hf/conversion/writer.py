@@ -1,0 +1,232 @@
+"""Writing: a streaming safetensors writer, the atomic output folder, and the files beside the weights.
+
+The writer knows every header up front (from the plan), so each tensor's bytes go to their final offset
+as soon as the tensor exists: memory holds one tensor, never a shard. Tensors that go out unchanged are
+copied file to file inside the kernel (``os.copy_file_range``), so they never enter Python at all. Files
+are synced once, after the last shard, so the disk flushes while later shards are still being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConversionError
+from .plan import ConversionPlan, PlannedTensor
+from .sources import INDEX_NAME, SAFETENSORS_DTYPES, TOKENIZER_FILES, FileSpan, TensorSource
+
+_COPY_CHUNK = 64 * 2**20
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
+
+
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _copy_span(span: FileSpan, fd: int, offset: int) -> None:
+    """Copy ``span`` to ``offset`` of ``fd``: in the kernel where the filesystem allows, else in 64 MB chunks."""
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < span.nbytes:
+        count = min(span.nbytes - done, 2**30)
+        if use_kernel:
+            try:
+                copied = os.copy_file_range(span.fd, fd, count, span.offset + done, offset + done)
+            except OSError as error:
+                if error.errno not in _NO_KERNEL_COPY:
+                    raise
+                use_kernel = False
+                continue
+            if copied == 0:
+                raise ConversionError(f"source file ended {span.nbytes - done} bytes early; it was truncated.")
+        else:
+            chunk = os.pread(span.fd, min(count, _COPY_CHUNK), span.offset + done)
+            if not chunk:
+                raise ConversionError(f"source file ended {span.nbytes - done} bytes early; it was truncated.")
+            _write_at(fd, memoryview(chunk), offset + done)
+            copied = len(chunk)
+        done += copied
+
+
+def write_safetensors_streaming(
+    path: Path,
+    planned: list[PlannedTensor],
+    produce: Callable[[PlannedTensor], torch.Tensor | FileSpan],
+    on_tensor: Callable[[], None] | None = None,
+) -> int:
+    """Write one safetensors file tensor by tensor; return its data size in bytes (the file is not synced).
+
+    The header (names, dtypes, shapes, offsets) is known from the plan, so it goes first and each tensor's
+    bytes follow as soon as the tensor exists. Tensors are ordered by element size (largest first), as
+    safetensors does, so every tensor starts aligned. ``produce`` returns a tensor, or a ``FileSpan``
+    whose bytes are copied as they are.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
+        raise ConversionError("safetensors output needs a little-endian machine.")
+    order = sorted(planned, key=lambda p: -p.dtype.itemsize)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for p in order:
+        nbytes = math.prod(p.shape) * p.dtype.itemsize
+        header[p.name] = {
+            "dtype": SAFETENSORS_DTYPES[p.dtype],
+            "shape": list(p.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        position = 8 + len(encoded)
+        _write_at(fd, memoryview(struct.pack("<Q", len(encoded)) + encoded), 0)
+        for p in order:
+            nbytes = header[p.name]["data_offsets"][1] - header[p.name]["data_offsets"][0]
+            data = produce(p)
+            if isinstance(data, FileSpan):
+                if data.nbytes != nbytes:
+                    raise ConversionError(f"internal: {p.name} spans {data.nbytes} bytes, planned {nbytes}.")
+                _copy_span(data, fd, position)
+            else:
+                if data.dtype != p.dtype or tuple(data.shape) != p.shape:
+                    raise ConversionError(
+                        f"internal: {p.name} is {data.dtype}{tuple(data.shape)}, planned {p.dtype}{p.shape}."
+                    )
+                if data.numel():
+                    raw = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    _write_at(fd, memoryview(raw), position)
+            del data
+            position += nbytes
+            if on_tensor is not None:
+                on_tensor()
+    finally:
+        os.close(fd)
+    return offset
+
+
+def check_destination(src_dirs: list[Path], dst: Path, overwrite: bool) -> None:
+    for src in src_dirs:
+        src = src.resolve()
+        resolved = dst.resolve()
+        if resolved == src or src in resolved.parents or resolved in src.parents:
+            raise ConversionError(f"DST {dst} overlaps SRC {src}; choose a destination outside the source folder.")
+    if dst.exists() or dst.is_symlink():
+        if not dst.is_dir():
+            raise ConversionError(f"DST {dst} exists and is not a folder; remove it or choose another destination.")
+        if any(dst.iterdir()) and not overwrite:
+            raise ConversionError(
+                f"DST {dst} exists and is not empty; pass --overwrite (overwrite=True) to replace it."
+            )
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a hidden temporary folder beside ``dst``; on success it becomes ``dst``, on any failure it vanishes.
+
+    Every file in it is synced before the rename. With ``overwrite`` the old ``dst`` is moved aside only
+    once the new one is complete, and restored if the final rename fails. KeyboardInterrupt cleans up too;
+    a hard kill leaves only the hidden ``.DST.tmp-*``.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
+        yield tmp
+        for path in sorted(tmp.iterdir()):
+            if path.is_file():
+                _fsync(path, os.O_RDONLY)
+        _fsync(tmp, os.O_RDONLY)
+        if dst.exists():
+            if any(dst.iterdir()) and not overwrite:
+                raise ConversionError(f"DST {dst} was filled by someone else during the conversion; not replacing it.")
+            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+            dst.rename(old)
+            try:
+                tmp.rename(dst)
+            except BaseException:
+                old.rename(dst)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dst)
+        _fsync(dst.parent, os.O_RDONLY)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync(path: Path, flags: int) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_tensors(plan: ConversionPlan, source: TensorSource, out_dir: Path, progress: bool = True) -> None:
+    """Stream every shard of the plan into ``out_dir``, one source shard open at a time, plus the index."""
+    from tqdm.auto import tqdm
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    with tqdm(total=plan.num_tensors, unit="tensor", desc="converting", disable=not progress) as bar:
+        for number, (shard, planned) in enumerate(plan.shards, start=1):
+            bar.set_postfix_str(f"shard {number}/{len(plan.shards)} {shard}")
+            with source.open(shard) as read:
+                total += write_safetensors_streaming(
+                    out_dir / shard, planned, lambda p, read=read: plan.materialize(p, read), bar.update
+                )
+            weight_map.update({p.name: shard for p in planned})
+    if plan.sharded:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def copy_remote_code(out_dir: Path) -> list[str]:
+    """Copy the model files (and whatever they import relatively) so DST loads with trust_remote_code alone."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from ..modeling import modeling_qkmap
+
+    files = [modeling_qkmap.__file__, *get_relative_import_files(modeling_qkmap.__file__)]
+    for file in files:
+        shutil.copyfile(file, out_dir / Path(file).name)
+    return [Path(f).name for f in files]
+
+
+def copy_side_files(src_dir: Path, out_dir: Path) -> list[str]:
+    """Tokenizer files and generation config, copied byte for byte (never anything executable or pickled)."""
+    copied = []
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (src_dir / name).is_file():
+            shutil.copyfile(src_dir / name, out_dir / name)
+            copied.append(name)
+    return copied
+
+
+__all__ = [
+    "atomic_directory",
+    "check_destination",
+    "copy_remote_code",
+    "copy_side_files",
+    "write_safetensors_streaming",
+    "write_tensors",
+]
