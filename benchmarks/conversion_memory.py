@@ -7,7 +7,12 @@ fresh subprocess, the peak RSS (``ru_maxrss``, which also counts mapped file pag
 
 - ``convert``: ``qkmap_hf.convert_checkpoint(src, dst, init="exact")`` (streams tensor by tensor), and
 - ``load+save``: the plain way, ``safetensors.torch.load_file`` of every shard into one dict, then
-  ``save_file`` of the same shards.
+  ``save_file`` of the same shards (left in the page cache, as ``save_pretrained`` leaves them), and
+- ``load+save+fsync``: the same, then ``fsync`` of every file, the durability the conversion gives
+  (it syncs every file before renaming its folder into place).
+
+Each method also reports MB/s (checkpoint bytes / wall time) and its wall-time and RSS ratios to
+``load+save``; the page cache is dropped of the written files between methods by deleting them.
 
 Writes a CSV and prints a table. Not a test: it needs ~30 GB of free disk and, for the baseline, memory
 of the full model. The multi-GB files are deleted at the end (unless ``--keep``)::
@@ -56,6 +61,11 @@ for name in files:
     save_file({k: tensors[k] for k, f in index["weight_map"].items() if f == name}, dst / name, metadata={"format": "pt"})
 for extra in ("model.safetensors.index.json", "config.json"):
     shutil.copyfile(src / extra, dst / extra)
+if len(sys.argv) > 3 and sys.argv[3] == "fsync":
+    for path in dst.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
 print(json.dumps({"wall_s": time.perf_counter() - start,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -126,10 +136,15 @@ def build_checkpoint(folder: Path, args: argparse.Namespace) -> dict:
     return {"total_bytes": total, "num_shards": len(groups), "largest_shard_bytes": max(shard_sizes)}
 
 
-def measure(code: str, src: Path, dst: Path) -> dict:
+def measure(code: str, src: Path, dst: Path, *extra: str, pythonpath: str | None = None) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), str(src), str(dst)], capture_output=True, text=True, env=env
+        [sys.executable, "-c", textwrap.dedent(code), str(src), str(dst), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if result.returncode != 0:
         raise RuntimeError(f"measurement failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
@@ -156,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "conversion_memory.csv"))
     parser.add_argument("--skip-baseline", action="store_true", help="measure the conversion only")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    parser.add_argument(
+        "--also-code",
+        default=None,
+        metavar="DIR",
+        help="also time convert_checkpoint of the qkmap_hf found in DIR (e.g. an older commit's `git archive`)",
+    )
     args = parser.parse_args(argv)
 
     params = args.vocab * args.hidden * 2 + args.layers * (
@@ -183,17 +204,21 @@ def main(argv: list[str] | None = None) -> int:
         shape = (
             f"{args.layers}L h{args.hidden} mlp{args.intermediate} {args.heads}/{args.kv_heads}heads v{args.vocab} bf16"
         )
-        methods = [("convert_checkpoint (streaming)", CONVERT)]
+        methods = [("convert_checkpoint (streaming)", CONVERT, (), None)]
+        if args.also_code:
+            methods.append((f"convert_checkpoint ({args.also_code})", CONVERT, (), str(Path(args.also_code).resolve())))
         if not args.skip_baseline:
-            methods.append(("load_file + save_file (plain)", LOAD_AND_SAVE))
-        for method, code in methods:
+            methods.append(("load_file + save_file (plain)", LOAD_AND_SAVE, (), None))
+            methods.append(("load_file + save_file + fsync", LOAD_AND_SAVE, ("fsync",), None))
+        for method, code, extra, pythonpath in methods:
             dst = work / "dst"
             if method.startswith("load") and mem_available_bytes() < info["total_bytes"] + 3 * GB:
                 print(f"skipping {method}: MemAvailable {mem_available_bytes() / GB:.1f} GB < model + 3 GB")
                 continue
             print(f"measuring {method} ...", flush=True)
-            result = measure(code, src, dst)
+            result = measure(code, src, dst, *extra, pythonpath=pythonpath)
             shutil.rmtree(dst)
+            os.sync()  # the next method starts without this one's dirty pages still being written back
             rows.append(
                 {
                     "method": method,
@@ -202,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                     "num_shards": info["num_shards"],
                     "largest_shard_gb": round(info["largest_shard_bytes"] / GB, 2),
                     "wall_s": round(result["wall_s"], 1),
+                    "mb_per_s": round(info["total_bytes"] / result["wall_s"] / 1e6),
                     "peak_rss_gb": round(result["peak_rss_bytes"] / GB, 2),
+                    "rss_over_largest_shard": round(result["peak_rss_bytes"] / info["largest_shard_bytes"], 2),
                 }
             )
     finally:
@@ -214,11 +241,16 @@ def main(argv: list[str] | None = None) -> int:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print("\n| method | total GB | shards | largest shard GB | wall s | peak RSS GB |\n|---|---|---|---|---|---|")
+    plain = next((row for row in rows if row["method"].endswith("(plain)")), None)
+    print(
+        "\n| method | total GB | shards | largest shard GB | wall s | MB/s | wall / plain | peak RSS GB | "
+        "RSS / largest shard |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for row in rows:
+        ratio = f"{row['wall_s'] / plain['wall_s']:.2f}" if plain else "-"
         print(
             f"| {row['method']} | {row['total_gb']} | {row['num_shards']} | {row['largest_shard_gb']} | "
-            f"{row['wall_s']} | {row['peak_rss_gb']} |"
+            f"{row['wall_s']} | {row['mb_per_s']} | {ratio} | {row['peak_rss_gb']} | {row['rss_over_largest_shard']} |"
         )
     print(f"\nshape: {rows[0]['shape']}; CSV: {csv_path}")
     return 0
