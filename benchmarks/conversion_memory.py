@@ -3,7 +3,9 @@
 
 Builds a Llama checkpoint with real tensor names and Llama-2-7B shapes (32 layers, hidden 4096, MLP 11008,
 32 heads, vocab 32000, bfloat16: ~13.5 GB in ~3 GB shards) in a temporary folder, then measures, each in a
-fresh subprocess, the peak RSS (``ru_maxrss``, which also counts mapped file pages) and wall time of
+fresh subprocess, the peak RSS (``VmHWM`` of ``/proc/self/status``, which also counts mapped file pages; not
+``ru_maxrss``, which a child started by ``subprocess`` inherits from its parent's peak across ``exec``, so it
+reported the benchmark's own 3.5 GB of checkpoint building for every method) and wall time of
 
 - ``convert``: ``qkmap_hf.convert_checkpoint(src, dst, init="exact")`` (streams tensor by tensor), and
 - ``load+save``: the plain way, ``safetensors.torch.load_file`` of every shard into one dict, then
@@ -37,16 +39,17 @@ from pathlib import Path
 GB = 10**9
 
 CONVERT = """
-import time, resource, json, sys
+import time, json, sys
 import qkmap_hf
 start = time.perf_counter()
 qkmap_hf.convert_checkpoint(sys.argv[1], sys.argv[2], init="exact", progress=False)
 print(json.dumps({"wall_s": time.perf_counter() - start,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss_bytes": next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                                         if line.startswith("VmHWM:"))}))
 """
 
 LOAD_AND_SAVE = """
-import time, resource, json, sys, os, shutil
+import time, json, sys, os, shutil
 from pathlib import Path
 from safetensors.torch import load_file, save_file
 start = time.perf_counter()
@@ -67,7 +70,8 @@ if len(sys.argv) > 3 and sys.argv[3] == "fsync":
         os.fsync(fd)
         os.close(fd)
 print(json.dumps({"wall_s": time.perf_counter() - start,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss_bytes": next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                                         if line.startswith("VmHWM:"))}))
 """
 
 
@@ -145,6 +149,7 @@ def measure(code: str, src: Path, dst: Path, *extra: str, pythonpath: str | None
         capture_output=True,
         text=True,
         env=env,
+        cwd=src.parent,  # not the repository: `python -c` puts the cwd first on sys.path, before PYTHONPATH
     )
     if result.returncode != 0:
         raise RuntimeError(f"measurement failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
