@@ -193,3 +193,30 @@ def test_pickle_only_qwen3_refused_without_unpickling(tmp_path, monkeypatch):
         convert_checkpoint(src, tmp_path / "dst", progress=False)
     assert "pytorch_model.bin" in str(info.value) and "pickle" in str(info.value)
     assert not (tmp_path / "dst").exists()
+
+
+def test_qk_norm_model_saves_as_genuine_qwen3_and_converts_back(tmp_path, ids):
+    """A qk_norm-mode model is Qwen3: it saves as Qwen3ForCausalLM (no qkmap code) and converts back exactly."""
+    from qkmap_hf import QKMapConfig
+    from qkmap_hf.conversion import save_qk_norm_as_qwen3
+
+    torch.manual_seed(5)
+    config = QKMapConfig(**tiny_config_kwargs(qk_mode="qk_norm", head_dim=HEAD_DIM, initializer_range=0.1))
+    trained = QKMapForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "_norm." in name:
+                param.uniform_(0.3, 2.5)
+    save_qk_norm_as_qwen3(trained, tmp_path / "qwen3")
+    saved = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    assert saved["model_type"] == "qwen3" and saved["architectures"] == ["Qwen3ForCausalLM"]
+    assert "auto_map" not in saved and not list((tmp_path / "qwen3").glob("*.py"))
+    qwen3 = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3", dtype=torch.float32).eval()
+    assert type(qwen3) is Qwen3ForCausalLM
+    with torch.no_grad():
+        reference = trained(ids).logits[0]
+        assert torch.equal(qwen3(ids).logits[0], reference)
+    convert_checkpoint(tmp_path / "qwen3", tmp_path / "qkmap", progress=False)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "qkmap", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert kl_per_token(reference, converted(ids).logits[0]).max().item() <= KL_BOUND

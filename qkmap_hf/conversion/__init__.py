@@ -12,6 +12,7 @@ from . import families as _families  # noqa: F401 - registers the adapters
 from .adapters import ADAPTERS, ArchitectureAdapter, OutputTensor, register_adapter, supported_architectures
 from .api import ConversionResult, convert_model, convert_to_folder
 from .errors import ConversionError
+from .export_qwen3 import save_qk_norm_as_qwen3
 from .input_norm import calibrate_reference_scale, fold_input_norm, set_input_norm_power
 from .options import INITS, ConversionOptions
 from .packaging import convert_checkpoint, package_conversion
@@ -38,5 +39,6 @@ __all__ = [
     "plan_conversion",
     "register_adapter",
     "resolve_source",
+    "save_qk_norm_as_qwen3",
     "set_input_norm_power",
 ]
