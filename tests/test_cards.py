@@ -119,6 +119,7 @@ def test_standard_model_card_and_errors(models, tmp_path):
     assert run_command("card", [str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow
 def test_wheel_carries_templates_and_task_pack(tmp_path):
     """A non-editable wheel includes the card template and the task pack, and the installed copy finds them."""
     source = tmp_path / "src"

@@ -10,6 +10,7 @@ import pytest
 from qkmap_hf.cli import COMMANDS, build_parser
 
 
+@pytest.mark.slow
 def test_help_lists_every_subcommand():
     result = subprocess.run([sys.executable, "-m", "qkmap_hf", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -202,6 +202,7 @@ def test_sharded_source_converts_like_unsharded(converted, tmp_path):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sharded.values())
 
 
+@pytest.mark.slow
 def test_reload_in_clean_process_without_qkmap_hf(converted, ids, tmp_path):
     folders = {kind: str(entry["dst"]) for kind, entry in converted.items()}
     result = run_clean_python(
@@ -307,6 +308,7 @@ def test_canonical_init_uses_native_parametrization(converted, ids, tmp_path):
     assert kl.mean().item() > KL_BOUND  # not function-preserving: the drift is real and measurable
 
 
+@pytest.mark.slow
 def test_cli_command_and_script(converted, tmp_path):
     from qkmap_hf.cli import COMMANDS
     from qkmap_hf.commands import convert as convert_command

@@ -79,6 +79,7 @@ def test_task_pack_is_package_relative(tmp_path, monkeypatch):
     assert all(230 <= doc["length"] <= 280 for doc in custom["tasks"]["qkmap_needle_256"].test_docs())
 
 
+@pytest.mark.slow
 def test_qkmap_eval_cli_offline(models, tmp_path, monkeypatch):
     assert os.environ.get("HF_HUB_OFFLINE") == "1" and os.environ.get("HF_DATASETS_OFFLINE") == "1"
     monkeypatch.chdir(tmp_path)
@@ -116,6 +117,7 @@ def test_qkmap_eval_cli_offline(models, tmp_path, monkeypatch):
     (models["qk_map"] / "README.md").unlink()
 
 
+@pytest.mark.slow
 def test_python_path_with_and_without_remote_code(models):
     manager = qkmap_lm_eval.task_manager(include_defaults=False)
     path = str(models["qk_map"])

@@ -283,6 +283,7 @@ def test_frozen_frequencies_stay_frozen():
     assert not model.model.layers[0].self_attn.qk_map.log_frequency.requires_grad
 
 
+@pytest.mark.slow
 def test_torch_compile_of_the_forward_matches_eager():
     model = make_model("qk_map", attn="sdpa")
     x = ids(batch=1, length=16)
@@ -355,6 +356,7 @@ def test_sequence_classification_head():
     assert out.logits.shape == (2, 3) and torch.isfinite(out.loss)
 
 
+@pytest.mark.slow
 def test_feature_map_is_one_graph_for_torch_compile():
     torch._dynamo.reset()
     z = torch.randn(2, 4, 8, 16)

@@ -53,6 +53,7 @@ def test_qk_modules_to_save_follow_the_mode():
     assert peft_support.qk_modules_to_save(_tiny("standard")) == []
 
 
+@pytest.mark.slow
 def test_lora_with_qkmap_parameters_saves_loads_and_merges(tmp_path):
     base = _tiny()
     base.save_pretrained(tmp_path / "base")

@@ -176,6 +176,7 @@ def _push_subprocess(folder: Path, hub: FakeHub, *extra: str) -> subprocess.Comp
     )
 
 
+@pytest.mark.slow
 def test_push_uploads_every_file_byte_identical(ready_folder, hub):
     hub.reset()
     result = _push_subprocess(ready_folder, hub, "--private", "--revision", "dev", "--commit-message", "tiny model")
@@ -223,6 +224,7 @@ def test_missing_card_and_remote_code_refused(ready_folder, hub, tmp_path, onlin
     assert hub.requests == []
 
 
+@pytest.mark.slow
 def test_clean_load_failure_refused(ready_folder, hub, tmp_path, online):
     """Remote code that needs qkmap_hf at runtime passes the static checks but not the clean-process load."""
     folder = tmp_path / "needs-package"

@@ -88,6 +88,7 @@ def test_remote_code_imports_only_torch_transformers_and_siblings():
             assert roots <= allowed_roots, (name, roots)
 
 
+@pytest.mark.slow
 def test_loads_in_a_clean_process_without_qkmap_hf(saved, tmp_path):
     folder, expected = saved
     result = run_clean_python(LOAD_AND_RUN.format(source=str(folder), ids=INPUT_IDS), cwd=tmp_path,
@@ -99,6 +100,7 @@ def test_loads_in_a_clean_process_without_qkmap_hf(saved, tmp_path):
     assert result["generated"] == expected["generated"].tolist()
 
 
+@pytest.mark.slow
 def test_loads_from_a_repo_id_in_an_offline_hub_cache(saved, tmp_path):
     folder, expected = saved
     cache = tmp_path / "hub"
@@ -116,6 +118,7 @@ def test_loads_from_a_repo_id_in_an_offline_hub_cache(saved, tmp_path):
     assert result["generated"] == expected["generated"].tolist()
 
 
+@pytest.mark.slow
 def test_resaving_a_remote_code_model_keeps_it_loadable(saved, tmp_path):
     """A model loaded through trust_remote_code (no package) saves a checkpoint that loads the same way."""
     folder, expected = saved

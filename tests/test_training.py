@@ -222,6 +222,7 @@ def test_loss_goes_down_on_real_text(tiny_run):
     assert record["model"]["qk_mode"] == "qk_map" and "transformers" in record["versions"]
 
 
+@pytest.mark.slow
 def test_output_loads_with_trust_remote_code_and_reproduces_eval_loss(tiny_run, corpus, tmp_path):
     out, record = tiny_run
     assert {p.name for p in out.glob("checkpoint-*")} == {"checkpoint-30", "checkpoint-60"}
@@ -267,6 +268,7 @@ def _losses(record: dict) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in record["log_history"] if "loss" in h}
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_saved_step_with_the_same_losses(corpus, tmp_path):
     full = _short_run(corpus, tmp_path / "full")
     resumed_dir = tmp_path / "resumed"
@@ -295,6 +297,7 @@ def test_resume_continues_from_the_saved_step_with_the_same_losses(corpus, tmp_p
                            max_tokens=10_000))
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_losses(corpus, tmp_path):
     plain = _short_run(corpus, tmp_path / "plain", max_steps=3, save_steps=0)
     checkpointed = _short_run(corpus, tmp_path / "ckpt", max_steps=3, save_steps=0, gradient_checkpointing=True)
