@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "conversion_memory.csv"))
     parser.add_argument("--skip-baseline", action="store_true", help="measure the conversion only")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    parser.add_argument("--reuse", default=None, metavar="SRC", help="measure on a checkpoint an earlier --keep kept")
     parser.add_argument(
         "--also-code",
         default=None,
@@ -197,15 +198,22 @@ def main(argv: list[str] | None = None) -> int:
     if free < need:
         print(f"not enough disk: need {need / GB:.0f} GB; use fewer --layers or another --workdir", file=sys.stderr)
         return 1
-    work = Path(tempfile.mkdtemp(prefix="qkmap-conversion-bench-", dir=args.workdir))
+    work = Path(tempfile.mkdtemp(prefix="qkmap-conversion-bench-", dir=Path(args.workdir).absolute()))
     rows = []
     try:
-        src = work / "src"
-        start = time.perf_counter()
-        info = build_checkpoint(src, args)
-        print(
-            f"built {info['num_shards']} shards, {info['total_bytes'] / GB:.2f} GB in {time.perf_counter() - start:.0f} s"
-        )
+        if args.reuse:  # a checkpoint kept by an earlier --keep run with the same shape flags
+            src = Path(args.reuse).absolute()
+            shard_sizes = [p.stat().st_size for p in src.glob("*.safetensors")]
+            total = json.loads((src / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+            info = {"total_bytes": total, "num_shards": len(shard_sizes), "largest_shard_bytes": max(shard_sizes)}
+        else:
+            src = work / "src"
+            start = time.perf_counter()
+            info = build_checkpoint(src, args)
+            print(
+                f"built {info['num_shards']} shards, {info['total_bytes'] / GB:.2f} GB in "
+                f"{time.perf_counter() - start:.0f} s"
+            )
         shape = (
             f"{args.layers}L h{args.hidden} mlp{args.intermediate} {args.heads}/{args.kv_heads}heads v{args.vocab} bf16"
         )

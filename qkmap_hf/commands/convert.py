@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-HELP = "Convert a Llama/Mistral/Qwen2-style checkpoint (safetensors or GGUF) to QK-MAP attention."
+HELP = "Convert a Llama/Mistral/Qwen2/Qwen3-style checkpoint (safetensors or GGUF) to QK-MAP attention."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
