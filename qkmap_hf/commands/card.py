@@ -20,7 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cards import write_model_card
+    from .paths import require_path
 
+    require_path("MODEL", args.model, "checkpoint folder")
+    require_path("--eval-results", args.eval_results)
+    require_path("--analysis", args.analysis, "folder")
+    require_path("--provenance", args.provenance, "JSON file")
     try:
         provenance = None
         if args.provenance:
