@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..modeling.configuration_qkmap import QKMapConfig
+from ..safety import check_overwrite_target
 from .adapters import ArchitectureAdapter, ConversionError, adapter_for, supported_architectures
 
 INITS = ("exact", "canonical")
@@ -567,6 +568,8 @@ def _check_destination(src_dirs: list[Path], dst: Path, overwrite: bool) -> None
             raise ConversionError(
                 f"DST {dst} exists and is not empty; pass --overwrite (overwrite=True) to replace it."
             )
+        if any(dst.iterdir()):  # never the working folder, a source's parent, or a folder that is not a model's
+            check_overwrite_target(dst, src_dirs)
 
 
 @contextlib.contextmanager
@@ -893,6 +896,9 @@ def convert_checkpoint(
                 converted_label=str(dst),
             )
             report.save(tmp / VERIFICATION_NAME)
+            if report.non_finite():  # NaN/inf logits: DST never appears (see qkmap_hf.verify)
+                bad = ", ".join(report.non_finite())
+                raise ConversionError(f"verifying {dst} gave non-finite {bad}; the model is broken, nothing written.")
             provenance["verification"] = report.summary()
             if progress:
                 print(report.table())
