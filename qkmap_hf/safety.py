@@ -118,12 +118,13 @@ def symlinks_in(folder: str | os.PathLike) -> list[str]:
 
 
 def is_model_folder(folder: Path) -> bool:
-    """A folder a previous convert/train/save_pretrained wrote: a qkmap provenance record, or config.json beside
-    weights (safetensors or GGUF)."""
+    """A folder a previous convert/train/save_pretrained wrote: weights (safetensors or GGUF) at its top level, or
+    a qkmap provenance record."""
     if any((folder / marker).is_file() for marker in PROVENANCE_MARKERS):
         return True
-    has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.gguf"))
-    return (folder / "config.json").is_file() and has_weights
+    return (
+        any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")) or any(folder.glob("*.gguf"))
+    )
 
 
 def check_overwrite_target(
@@ -148,7 +149,7 @@ def check_overwrite_target(
             raise ValueError(f"{option} {dst} holds the source {source}; --overwrite never replaces it.")
     if not is_model_folder(target):
         raise ValueError(
-            f"{option} {dst} is not empty and is not a model folder (no config.json with weights, no "
+            f"{option} {dst} is not empty and is not a model folder (no *.safetensors or *.gguf weights, no "
             f"{' or '.join(PROVENANCE_MARKERS)}); "
             "--overwrite replaces only a previous output. Choose a new or empty folder."
         )

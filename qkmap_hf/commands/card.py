@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provenance", help="extra provenance record (JSON file; its 'kind' names the section)")
     parser.add_argument("--license", help="license id for the card (default: from provenance records, else apache-2.0)")
     parser.add_argument("--name", help="model name / Hub repo id shown in the card and model-index")
+    parser.add_argument("--overwrite", action="store_true", help="replace a README.md not written by qkmap card")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
             analysis_dir=args.analysis,
             license=args.license,
             model_name=args.name,
+            overwrite=args.overwrite,
         )
     except (ValueError, OSError, TypeError) as error:
         print(f"qkmap card: {error}", file=sys.stderr)
