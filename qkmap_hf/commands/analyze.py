@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 HELP = "Attention diagnostics (input-scale sensitivity, first-token mass, evidence contrast) as JSON and PNG plots."
 
@@ -56,28 +55,24 @@ def run(args: argparse.Namespace) -> int:
     for model in (args.model, *args.compare):
         require_path("MODEL", model, "checkpoint folder", hub_id_ok=True)
     require_path("--text", args.text, "text file")
-    try:
-        settings = AnalysisSettings(
-            scales=args.scales,
-            max_tokens=args.max_tokens,
-            num_windows=args.num_windows,
-            context_lengths=args.lengths,
-            needle_examples=args.needle_examples,
-            seed=args.seed,
-        )
-        data = analyze(
-            [args.model, *args.compare],
-            args.output_dir,
-            text_file=args.text,
-            settings=settings,
-            trust_remote_code=args.trust_remote_code,
-            dtype=getattr(torch, args.dtype),
-            device=args.device,
-            progress=not args.no_progress,
-        )
-    except (ValueError, OSError) as error:
-        print(f"qkmap analyze: {error}", file=sys.stderr)
-        return 2
+    settings = AnalysisSettings(
+        scales=args.scales,
+        max_tokens=args.max_tokens,
+        num_windows=args.num_windows,
+        context_lengths=args.lengths,
+        needle_examples=args.needle_examples,
+        seed=args.seed,
+    )
+    data = analyze(
+        [args.model, *args.compare],
+        args.output_dir,
+        text_file=args.text,
+        settings=settings,
+        trust_remote_code=args.trust_remote_code,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        progress=not args.no_progress,
+    )
     for entry in data["models"]:
         scale = ", ".join(f"x{s}: {v:.3g}" for s, v in entry["scale_sensitivity"]["mean"].items())
         contrast = ", ".join(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 HELP = "Write the model card (README.md) of a checkpoint: QK-MAP settings, provenance, lm-eval scores, analysis plots."
 
@@ -27,22 +26,20 @@ def run(args: argparse.Namespace) -> int:
     require_path("--eval-results", args.eval_results)
     require_path("--analysis", args.analysis, "folder")
     require_path("--provenance", args.provenance, "JSON file")
-    try:
-        provenance = None
-        if args.provenance:
-            with open(args.provenance, encoding="utf-8") as handle:
-                provenance = json.load(handle)
-        path = write_model_card(
-            args.model,
-            provenance=provenance,
-            eval_results=args.eval_results,
-            analysis_dir=args.analysis,
-            license=args.license,
-            model_name=args.name,
-            overwrite=args.overwrite,
-        )
-    except (ValueError, OSError, TypeError) as error:
-        print(f"qkmap card: {error}", file=sys.stderr)
-        return 2
+    provenance = None
+    if args.provenance:
+        with open(args.provenance, encoding="utf-8") as handle:
+            provenance = json.load(handle)
+        if not isinstance(provenance, dict):
+            raise ValueError(f"--provenance {args.provenance}: must hold a JSON object (with a 'kind' field).")
+    path = write_model_card(
+        args.model,
+        provenance=provenance,
+        eval_results=args.eval_results,
+        analysis_dir=args.analysis,
+        license=args.license,
+        model_name=args.name,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {path}")
     return 0
