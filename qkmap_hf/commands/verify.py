@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_save:
         path = report.save(args.json or Path(args.dst) / "verification.json")
         print(f"wrote {path}")
+    if report.non_finite():
+        raise ValueError(
+            f"{args.dst}: verification gave non-finite {', '.join(report.non_finite())}; a model is broken."
+        )
     return 0
 
 
