@@ -30,6 +30,7 @@ PROVENANCE_FILES = {"conversion": "qkmap_conversion.json", "training": "qkmap_tr
 ANALYSIS_SUBDIR = "analysis"
 BASE_TAGS = ["qk-map", "qkmap", "custom_code", "text-generation"]
 DEFAULT_LICENSE = "apache-2.0"
+GENERATED_MARKER = "- **Produced with:** qkmap-hf"  # a line of the template: this README is one of our cards
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _BASE_MODEL_KEYS = ("base_model", "source_model_id", "source_repo_id", "source_model", "source")
 _MODE_DESCRIPTIONS = {
@@ -437,6 +438,7 @@ def write_model_card(
     analysis_dir: str | Path | None = None,
     license: str | None = None,
     model_name: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model_dir/README.md``: QK-MAP settings from config.json, provenance, lm-eval scores, analysis plots.
 
@@ -448,10 +450,18 @@ def write_model_card(
         analysis_dir: the ``--output-dir`` of ``qkmap analyze``; its plots are copied into ``model_dir/analysis``.
         license: card license; default: a ``license`` field of the provenance records, else apache-2.0.
         model_name: name in the card and ``model-index`` (e.g. the Hub repo id); default: the folder name.
+        overwrite: replace a README.md that is not a card of ours (hand-written); without it that is refused.
 
     Returns the README path. The card is parsed back with ``ModelCard.load`` before it replaces any old README.
     """
     model_dir = Path(model_dir)
+    readme = model_dir / "README.md"
+    old_text = readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else GENERATED_MARKER
+    if not overwrite and GENERATED_MARKER not in old_text:
+        raise FileExistsError(
+            f"{readme} was not written by qkmap card (hand-written?) and is kept; move it aside, or pass "
+            "--overwrite (overwrite=True) to replace it."
+        )
     card = render_model_card(
         model_dir,
         provenance=provenance,
@@ -462,7 +472,6 @@ def write_model_card(
     )
     text = str(card)
     ModelCard(text, ignore_metadata_errors=False)  # fails here, not on the Hub, if the metadata does not parse
-    readme = model_dir / "README.md"
     atomic_write_text(readme, text)
     return readme
 

@@ -4,12 +4,19 @@ Each subcommand lives in ``qkmap_hf/commands/<name>.py`` and defines ``HELP`` (o
 ``add_arguments(parser)`` and ``run(args) -> int``. A module that forwards its arguments untouched to
 another program (``qkmap eval`` hands over to lm-eval's CLI) defines ``run_raw(argv) -> int`` instead.
 Modules load only when their command runs, so ``qkmap --help`` stays fast.
+
+``main`` is the one place that turns a refusal into one line on stderr and exit code 2: the project's errors
+(``ValueError`` subclasses such as ``ConversionError``), file-system errors (``OSError``: missing file, full disk,
+permission) and network errors. ``--debug`` (or ``QKMAP_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+import traceback
 from importlib import import_module
 
 from .version import __version__
@@ -27,6 +34,11 @@ COMMANDS: dict[str, str] = {
 }
 
 
+DEBUG_ENV = "QKMAP_DEBUG"
+EXIT_REFUSED = 2
+EXIT_INTERRUPTED = 130
+
+
 def _command_module(name: str):
     return import_module(COMMANDS[name])
 
@@ -37,17 +49,92 @@ def build_parser() -> argparse.ArgumentParser:
         description="QK-MAP attention for Hugging Face transformers: convert, train, evaluate and publish models.",
     )
     parser.add_argument("--version", action="version", version=f"qkmap-hf {__version__}")
+    parser.add_argument("--debug", action="store_true", help=f"show the traceback of an error (or set {DEBUG_ENV}=1)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         module = _command_module(name)
-        sub = subparsers.add_parser(name, help=module.HELP, description=module.HELP, add_help=not hasattr(module, "run_raw"))
+        sub = subparsers.add_parser(
+            name, help=module.HELP, description=module.HELP, add_help=not hasattr(module, "run_raw")
+        )
         if hasattr(module, "add_arguments"):
             module.add_arguments(sub)
     return parser
 
 
+def refusal_types() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's input or the machine's state, not a bug: one line, exit code 2."""
+    types: list[type[BaseException]] = [ValueError, OSError, ImportError]
+    for module, name in (
+        ("httpx2", "HTTPError"),  # huggingface_hub >= 2 (connection refused, timeouts, DNS)
+        ("httpx", "HTTPError"),
+        ("requests", "RequestException"),
+        ("safetensors", "SafetensorError"),  # truncated or corrupt weight files
+    ):
+        try:
+            types.append(getattr(import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(types)
+
+
+_OS_HINTS = {
+    errno.ENOSPC: "free some disk space and run the command again",
+    errno.EACCES: "check the permissions of that path",
+    errno.ENOENT: "check the path",
+    errno.EROFS: "choose a writable location",
+}
+
+
+def describe_error(error: BaseException) -> str:
+    """The message (which names the file/field/option); for a bare OS error the path, the cause and a hint."""
+    name = type(error).__name__
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        where = f"{error.filename} -> {error.filename2}" if error.filename2 else str(error.filename)
+        hint = _OS_HINTS.get(error.errno)
+        return f"{where}: {error.strerror}" + (f"; {hint}." if hint else ".")
+    text = str(error).strip()
+    if not text:
+        text = name
+    if type(error).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3", "huggingface_hub"):
+        text = " ".join(text.split())
+        if not isinstance(error, ValueError):
+            return f"network error ({name}): {text}. Check the connection, HF_ENDPOINT and the token."
+    return text
+
+
+def _take_debug_flag(argv: list[str]) -> bool:
+    """Remove ``--debug`` (anywhere; before the command only for commands that forward their arguments)."""
+    raw = bool(argv) and argv[0] in COMMANDS and hasattr(_command_module(argv[0]), "run_raw")
+    scope = 1 if raw else len(argv)
+    found = "--debug" in argv[:scope] or (bool(argv) and argv[0] == "--debug")
+    if found:
+        argv.remove("--debug")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``qkmap ...``; refusals become one line on stderr and exit code 2 (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    debug = _take_debug_flag(argv) or debug
+    command = f"qkmap {argv[0]}" if argv and argv[0] in COMMANDS else "qkmap"
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"{command}: interrupted.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except refusal_types() as error:
+        if debug:
+            traceback.print_exc()
+        print(f"{command}: error: {describe_error(error)}", file=sys.stderr)
+        if not debug:
+            print(f"{command}: (run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in COMMANDS and hasattr(module := _command_module(argv[0]), "run_raw"):
         return int(module.run_raw(argv[1:]) or 0)
     parser = build_parser()

@@ -4,8 +4,10 @@
 
 - ``config.json`` parses; a QK-MAP config has ``auto_map`` and every remote-code file it names is in the folder
   (and none of them imports ``qkmap_hf``, which the downloader may not have);
-- weights are safetensors (all shards of an index present) and no pickle-based file (``*.bin``, ``*.pt``, ...)
-  is anywhere in the folder;
+- the repo id is valid (huggingface_hub's own validator, before anything else);
+- weights are safetensors (all shards of an index present) and no file holds pickled data, judged by content
+  whatever its name (``qkmap_hf.safety.pickle_reason``) as well as by the usual names (``*.bin``, ``*.pt``...);
+- no symlinks (an upload follows them, so they could publish files from outside the folder);
 - ``README.md`` exists and its metadata parses as a ``ModelCard`` (write one with ``qkmap card``);
 - config, weights and tokenizer load in a clean Python process in which ``qkmap_hf`` cannot be imported, with
   ``trust_remote_code=True`` and a fresh modules cache, and a forward pass gives finite logits.
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .cleanroom import run_without_qkmap_hf
+from .safety import find_pickles, symlinks_in
 from .version import __version__
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".dill")
@@ -71,6 +74,17 @@ class PushValidationError(ValueError):
         super().__init__(f"{folder} is not ready to publish; nothing was uploaded:\n{lines}")
 
 
+def check_repo_id(repo_id: str) -> str:
+    """``repo_id`` if huggingface_hub accepts it (``ORG/NAME`` or ``NAME``), else ``ValueError`` saying why."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"repo id {repo_id!r} is invalid: {error} Use ORG/NAME, e.g. my-org/my-model.") from error
+    return repo_id
+
+
 def files_to_upload(folder: str | Path) -> list[str]:
     """Relative paths ``upload_folder`` will send: its own listing and filters (.git, .cache/huggingface) plus ours."""
     from huggingface_hub.utils import filter_repo_objects
@@ -112,22 +126,37 @@ def _check_config(folder: Path, problems: list[str]) -> dict | None:
     for name in sorted(_remote_code_files(auto_map)):
         code = folder / name
         if not code.is_file():
-            problems.append(f"{name} (named by config.json auto_map) is missing; re-save the model with qkmap_hf imported.")
+            problems.append(
+                f"{name} (named by config.json auto_map) is missing; re-save the model with qkmap_hf imported."
+            )
         elif _IMPORTS_QKMAP_HF.search(code.read_text(encoding="utf-8", errors="replace")):
-            problems.append(f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers.")
+            problems.append(
+                f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers."
+            )
     return config
 
 
 def _check_weights(folder: Path, problems: list[str]) -> None:
-    pickles = [name for name in files_to_upload(folder) if Path(name).suffix in PICKLE_SUFFIXES]
-    if pickles:
+    names = files_to_upload(folder)
+    found = dict(find_pickles(folder, names))
+    found.update(
+        {
+            name: "a pickle-format file name"
+            for name in names
+            if Path(name).suffix in PICKLE_SUFFIXES and name not in found
+        }
+    )
+    if found:
+        listed = ", ".join(f"{name} ({reason})" for name, reason in sorted(found.items()))
         problems.append(
-            f"pickle-based files {', '.join(pickles)}: loading them can run arbitrary code. Save with "
+            f"pickle-based files {listed}: loading them can run arbitrary code. Save with "
             "safe_serialization (safetensors) and remove them."
         )
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
-        problems.append(f"no *.safetensors weights in {folder}: save with save_pretrained (safetensors is its default).")
+        problems.append(
+            f"no *.safetensors weights in {folder}: save with save_pretrained (safetensors is its default)."
+        )
     for index_path in folder.glob("*.safetensors.index.json"):
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {})
@@ -149,7 +178,9 @@ def _check_card(folder: Path, config: dict | None, problems: list[str]) -> None:
     try:
         card = ModelCard.load(readme, ignore_metadata_errors=False)
     except Exception as error:  # ModelCard raises ValueError/YAMLError/TypeError for broken metadata
-        problems.append(f"README.md metadata does not parse ({type(error).__name__}: {error}); regenerate it with `qkmap card`.")
+        problems.append(
+            f"README.md metadata does not parse ({type(error).__name__}: {error}); regenerate it with `qkmap card`."
+        )
         return
     data = card.data.to_dict()
     if not data:
@@ -158,7 +189,9 @@ def _check_card(folder: Path, config: dict | None, problems: list[str]) -> None:
     if not data.get("license"):
         problems.append("README.md metadata has no license; pass --license to `qkmap card`.")
     if config is not None and config.get("auto_map") and "custom_code" not in (data.get("tags") or []):
-        problems.append("README.md tags lack 'custom_code' although the model needs trust_remote_code; regenerate the card.")
+        problems.append(
+            "README.md tags lack 'custom_code' although the model needs trust_remote_code; regenerate the card."
+        )
 
 
 def clean_load_check(folder: str | Path, timeout: float = LOAD_CHECK_TIMEOUT_S) -> dict[str, Any]:
@@ -184,6 +217,11 @@ def validate_for_push(folder: str | Path, *, load_check: bool = True) -> list[st
     if not folder.is_dir():
         return [f"{folder} is not a folder; pass the checkpoint folder (config.json, weights, README.md)."]
     problems: list[str] = []
+    links = symlinks_in(folder)
+    if links:
+        problems.append(
+            f"symlinks {', '.join(links)}: the upload would follow them; copy the files into the folder instead."
+        )
     config = _check_config(folder, problems)
     _check_weights(folder, problems)
     _check_card(folder, config, problems)
@@ -225,6 +263,7 @@ def push_to_hub(
     """
     from huggingface_hub import HfApi, constants
 
+    check_repo_id(repo_id)
     if constants.is_offline_mode():
         raise RuntimeError("HF_HUB_OFFLINE is set, so huggingface_hub makes no requests; unset it to push.")
     problems = validate_for_push(folder, load_check=load_check)
@@ -252,6 +291,7 @@ def push_to_hub(
 
 __all__ = [
     "PushValidationError",
+    "check_repo_id",
     "clean_load_check",
     "files_to_upload",
     "push_to_hub",

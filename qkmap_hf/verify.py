@@ -50,8 +50,14 @@ class VerificationReport:
     def greedy_agreement(self) -> float:
         return self.greedy_matching / self.greedy_tokens if self.greedy_tokens else 1.0
 
+    def non_finite(self) -> list[str]:
+        """Names of the measured numbers that are NaN or infinite: a broken model, never a usable conversion."""
+        numbers = ("source_perplexity", "converted_perplexity", "mean_kl", "max_kl", "max_logit_diff")
+        return [name for name in numbers if not math.isfinite(getattr(self, name))]
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data["non_finite"] = self.non_finite()
         data["greedy_identical"] = self.greedy_identical
         data["greedy_agreement"] = self.greedy_agreement
         return data
@@ -102,6 +108,8 @@ class VerificationReport:
                     f"{min(medians):.3g} .. {max(medians):.3g} ({self.phase['regime']})",
                 )
             )
+        if self.non_finite():
+            rows.append(("NON-FINITE (NaN/inf) numbers", ", ".join(self.non_finite())))
         width = max(len(name) for name, _ in rows)
         lines = [f"Conversion check: {self.source} -> {self.converted}"]
         lines += [f"  {name.ljust(width)}  {value}" for name, value in rows]

@@ -233,13 +233,18 @@ def test_existing_destination_needs_overwrite(pristine, tmp_path):
     with pytest.raises(ConversionError, match="not empty.*--overwrite"):
         convert_checkpoint(src, dst, progress=False)
     assert [p.name for p in dst.iterdir()] == ["precious.txt"]
-    convert_checkpoint(src, dst, progress=False, overwrite=True)
-    assert not (dst / "precious.txt").exists() and (dst / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="not a model folder"):  # issue 13: --overwrite replaces only an output
+        convert_checkpoint(src, dst, progress=False, overwrite=True)
+    assert [p.name for p in dst.iterdir()] == ["precious.txt"]
     assert not list(tmp_path.glob(".dst.*"))
     empty = tmp_path / "empty"
     empty.mkdir()
     convert_checkpoint(src, empty, progress=False)  # an empty folder is fine without --overwrite
     assert (empty / "config.json").is_file()
+    (empty / "stale.txt").write_text("from the old output")
+    convert_checkpoint(src, empty, progress=False, overwrite=True)  # a previous output is replaced
+    assert not (empty / "stale.txt").exists() and (empty / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".empty.*"))
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, OSError])

@@ -2,14 +2,18 @@
 
 The real Hub is unreachable from here. The server implements what `HfApi.create_repo` / `create_branch` /
 `upload_folder` call: /api/agent-harnesses (huggingface_hub's user-agent registry), /api/repos/create, /api/validate-yaml, /api/models/<repo>/branch/<rev>,
-/api/models/<repo>/preupload/<rev> (every file "regular", so content travels base64 inside the commit and no
-LFS/Xet transfer is needed) and /api/models/<repo>/commit/<rev> (NDJSON). It stores what it receives, so the
-test compares the uploaded bytes with the folder.
+/api/models/<repo>/preupload/<rev> (``*.safetensors`` "lfs" as on the real Hub, everything else "regular", whose
+content travels base64 inside the commit), the LFS batch API (<repo>.git/info/lfs/objects/batch) and the basic LFS
+transfer (a PUT of the bytes, checked against their sha256), and /api/models/<repo>/commit/<rev> (NDJSON, with
+``lfsFile`` entries pointing at uploaded objects). The real Hub now moves large files with Xet, which needs a CAS
+server; with ``HF_HUB_DISABLE_XET=1`` huggingface_hub takes the LFS protocol, which the Hub still serves. The server
+stores what it receives, so the test compares the uploaded bytes with the folder.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -35,6 +39,7 @@ _one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 def _one_thread_in_subprocesses(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the clean-load check's interpreter inherits it
 
+
 REPO = "qkmap-test/tiny-qkmap"
 TOKEN = "hf_loopback_test_token"
 
@@ -50,6 +55,8 @@ class FakeHub:
         self.branches: list[tuple[str, str]] = []
         self.files: dict[tuple[str, str], dict[str, bytes]] = {}
         self.commits: list[dict] = []
+        self.lfs_objects: dict[str, bytes] = {}  # oid (sha256) -> bytes received by the LFS transfer
+        self.lfs_paths: list[str] = []  # files committed as lfsFile entries
         self.reject_yaml = False
 
     def reset(self) -> None:
@@ -70,7 +77,24 @@ def _handler(hub: FakeHub):
             self.wfile.write(data)
 
         def _body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                data = b""
+                while (size := int(self.rfile.readline().strip().split(b";")[0], 16)) > 0:
+                    data += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+                return data
             return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+        def do_PUT(self) -> None:  # the basic LFS transfer: the bytes of one object, at the href we handed out
+            hub.requests.append(("PUT", self.path))
+            oid = self.path.rsplit("/", 1)[-1]
+            data = self._body()
+            if not self.path.startswith("/lfs-upload/") or hashlib.sha256(data).hexdigest() != oid:
+                hub.unexpected.append(f"PUT {self.path} ({len(data)} bytes, sha256 mismatch or wrong path)")
+                return self._reply(400, {"error": "bad LFS upload"})
+            hub.lfs_objects[oid] = data
+            return self._reply(200, {})
 
         def do_GET(self) -> None:
             hub.requests.append(("GET", self.path))
@@ -85,6 +109,19 @@ def _handler(hub: FakeHub):
             hub.authorizations.add(self.headers.get("Authorization", ""))
             body = self._body()
             parts = path.strip("/").split("/")
+            if path.endswith(".git/info/lfs/objects/batch"):
+                payload = json.loads(body)
+                base = f"http://{self.headers['Host']}"
+                objects = [
+                    {
+                        "oid": o["oid"],
+                        "size": o["size"],
+                        "authenticated": True,
+                        "actions": {"upload": {"href": f"{base}/lfs-upload/{o['oid']}"}},
+                    }
+                    for o in payload["objects"]
+                ]
+                return self._reply(200, {"transfer": "basic", "objects": objects})
             if path == "/api/repos/create":
                 payload = json.loads(body)
                 repo_id = f"{payload['organization']}/{payload['name']}"
@@ -107,7 +144,15 @@ def _handler(hub: FakeHub):
                     return self._reply(200, {})
                 if action == "preupload":
                     files = json.loads(body)["files"]
-                    modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None} for f in files]
+                    modes = [
+                        {
+                            "path": f["path"],
+                            "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
+                            "shouldIgnore": False,
+                            "oid": None,
+                        }
+                        for f in files
+                    ]
                     return self._reply(200, {"files": modes})
                 if action == "commit":
                     lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
@@ -118,11 +163,19 @@ def _handler(hub: FakeHub):
                         elif line["key"] == "file":
                             assert line["value"]["encoding"] == "base64"
                             store[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+                        elif line["key"] == "lfsFile" and line["value"]["oid"] in hub.lfs_objects:
+                            store[line["value"]["path"]] = hub.lfs_objects[line["value"]["oid"]]
+                            hub.lfs_paths.append(line["value"]["path"])
                         else:
                             hub.unexpected.append(f"commit operation {line['key']}")
                     base = f"http://{self.headers['Host']}"
                     return self._reply(
-                        200, {"commitUrl": f"{base}/{repo_id}/commit/{'1' * 40}", "commitOid": "1" * 40, "pullRequestUrl": None}
+                        200,
+                        {
+                            "commitUrl": f"{base}/{repo_id}/commit/{'1' * 40}",
+                            "commitOid": "1" * 40,
+                            "pullRequestUrl": None,
+                        },
                     )
             hub.unexpected.append(f"POST {path}")
             return self._reply(404, {"error": f"not implemented in the loopback hub: POST {path}"})
@@ -164,7 +217,14 @@ def _push_subprocess(folder: Path, hub: FakeHub, *extra: str) -> subprocess.Comp
 
     huggingface_hub reads HF_ENDPOINT at import, so a fresh interpreter is the honest way to test it.
     """
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_DISABLE_XET": "1",  # large files by the LFS protocol (Xet needs a CAS server); see the docstring
+    }
     env.pop("PYTHONPATH", None)
     return subprocess.run(
         [sys.executable, "-m", "qkmap_hf", "push", str(folder), REPO, *extra],
@@ -189,10 +249,20 @@ def test_push_uploads_every_file_byte_identical(ready_folder, hub):
     uploaded = hub.files[(REPO, "dev")]
     expected = files_to_upload(ready_folder)
     assert sorted(uploaded) == expected
-    for name in ("README.md", "config.json", "configuration_qkmap.py", "modeling_qkmap.py", "model.safetensors", "tokenizer.json"):
+    for name in (
+        "README.md",
+        "config.json",
+        "configuration_qkmap.py",
+        "modeling_qkmap.py",
+        "model.safetensors",
+        "tokenizer.json",
+    ):
         assert name in uploaded
     for name in expected:
         assert uploaded[name] == (ready_folder / name).read_bytes(), name
+    # the weights went by the large-file path: LFS batch, a PUT of the bytes (sha256-checked), an lfsFile entry
+    assert hub.lfs_paths == ["model.safetensors"]
+    assert ("PUT", f"/lfs-upload/{hashlib.sha256(uploaded['model.safetensors']).hexdigest()}") in hub.requests
     # the card's metadata went through the Hub's validate-yaml before the repo was created
     paths = [p for method, p in hub.requests if method == "POST"]
     assert paths.index("/api/validate-yaml") < paths.index("/api/repos/create")

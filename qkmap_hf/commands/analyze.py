@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 HELP = "Attention diagnostics (input-scale sensitivity, first-token mass, evidence contrast) as JSON and PNG plots."
 
@@ -24,18 +23,26 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="checkpoint folder or Hub id (any causal LM with q_proj/k_proj: Llama, QK-MAP)")
-    parser.add_argument("--compare", nargs="+", action="extend", default=[], metavar="MODEL", help="models to put beside it")
+    parser.add_argument(
+        "--compare", nargs="+", action="extend", default=[], metavar="MODEL", help="models to put beside it"
+    )
     parser.add_argument("--text", help="UTF-8 text for analyses 1-2 (default: the bundled Tempest passages)")
     parser.add_argument("--output-dir", required=True, help="folder for analysis.json and the PNG plots")
     parser.add_argument("--scales", type=_floats, default=(0.5, 2.0, 4.0), help="input-scale factors (default 0.5,2,4)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per text window (default 256)")
     parser.add_argument("--num-windows", type=int, default=4, help="text windows, one batch (default 4)")
-    parser.add_argument("--lengths", type=_ints, default=(256, 512, 1024), help="long-context lengths in tokens (default 256,512,1024)")
+    parser.add_argument(
+        "--lengths", type=_ints, default=(256, 512, 1024), help="long-context lengths in tokens (default 256,512,1024)"
+    )
     parser.add_argument("--needle-examples", type=int, default=4, help="examples per length (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic examples")
-    parser.add_argument("--trust-remote-code", action="store_true", help="run modeling code shipped with a non-QK-MAP checkpoint")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run modeling code shipped with a non-QK-MAP checkpoint"
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights dtype (default float32)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights dtype (default float32)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -43,33 +50,34 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..analysis import AnalysisSettings, analyze
+    from .paths import require_path
 
-    try:
-        settings = AnalysisSettings(
-            scales=args.scales,
-            max_tokens=args.max_tokens,
-            num_windows=args.num_windows,
-            context_lengths=args.lengths,
-            needle_examples=args.needle_examples,
-            seed=args.seed,
-        )
-        data = analyze(
-            [args.model, *args.compare],
-            args.output_dir,
-            text_file=args.text,
-            settings=settings,
-            trust_remote_code=args.trust_remote_code,
-            dtype=getattr(torch, args.dtype),
-            device=args.device,
-            progress=not args.no_progress,
-        )
-    except (ValueError, OSError) as error:
-        print(f"qkmap analyze: {error}", file=sys.stderr)
-        return 2
+    for model in (args.model, *args.compare):
+        require_path("MODEL", model, "checkpoint folder", hub_id_ok=True)
+    require_path("--text", args.text, "text file")
+    settings = AnalysisSettings(
+        scales=args.scales,
+        max_tokens=args.max_tokens,
+        num_windows=args.num_windows,
+        context_lengths=args.lengths,
+        needle_examples=args.needle_examples,
+        seed=args.seed,
+    )
+    data = analyze(
+        [args.model, *args.compare],
+        args.output_dir,
+        text_file=args.text,
+        settings=settings,
+        trust_remote_code=args.trust_remote_code,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        progress=not args.no_progress,
+    )
     for entry in data["models"]:
         scale = ", ".join(f"x{s}: {v:.3g}" for s, v in entry["scale_sensitivity"]["mean"].items())
         contrast = ", ".join(
-            f"{v['tokens_mean']} tok: {v['mean_log2_lift']:+.3f}" for v in entry["evidence_contrast"]["by_length"].values()
+            f"{v['tokens_mean']} tok: {v['mean_log2_lift']:+.3f}"
+            for v in entry["evidence_contrast"]["by_length"].values()
         )
         phase = f"; phase regime: {entry['phase']['regime']}" if entry.get("phase") else ""
         print(

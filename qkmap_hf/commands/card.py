@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 HELP = "Write the model card (README.md) of a checkpoint: QK-MAP settings, provenance, lm-eval scores, analysis plots."
 
@@ -16,26 +15,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provenance", help="extra provenance record (JSON file; its 'kind' names the section)")
     parser.add_argument("--license", help="license id for the card (default: from provenance records, else apache-2.0)")
     parser.add_argument("--name", help="model name / Hub repo id shown in the card and model-index")
+    parser.add_argument("--overwrite", action="store_true", help="replace a README.md not written by qkmap card")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cards import write_model_card
+    from .paths import require_path
 
-    try:
-        provenance = None
-        if args.provenance:
-            with open(args.provenance, encoding="utf-8") as handle:
-                provenance = json.load(handle)
-        path = write_model_card(
-            args.model,
-            provenance=provenance,
-            eval_results=args.eval_results,
-            analysis_dir=args.analysis,
-            license=args.license,
-            model_name=args.name,
-        )
-    except (ValueError, OSError, TypeError) as error:
-        print(f"qkmap card: {error}", file=sys.stderr)
-        return 2
+    require_path("MODEL", args.model, "checkpoint folder")
+    require_path("--eval-results", args.eval_results)
+    require_path("--analysis", args.analysis, "folder")
+    require_path("--provenance", args.provenance, "JSON file")
+    provenance = None
+    if args.provenance:
+        with open(args.provenance, encoding="utf-8") as handle:
+            provenance = json.load(handle)
+        if not isinstance(provenance, dict):
+            raise ValueError(f"--provenance {args.provenance}: must hold a JSON object (with a 'kind' field).")
+    path = write_model_card(
+        args.model,
+        provenance=provenance,
+        eval_results=args.eval_results,
+        analysis_dir=args.analysis,
+        license=args.license,
+        model_name=args.name,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {path}")
     return 0

@@ -17,9 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds (first-seed, first-seed+1, ...)")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--variant", action="append", metavar="LABEL[:FIELD=VALUE,...]",
-                        help="an arm of the comparison (default: standard, qk_norm, qk_map); repeatable, e.g. "
-                        "qk_map_f2:qk_mode=qk_map,qkmap_num_frequencies=2")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        metavar="LABEL[:FIELD=VALUE,...]",
+        help="an arm of the comparison (default: standard, qk_norm, qk_map); repeatable, e.g. "
+        "qk_map_f2:qk_mode=qk_map,qkmap_num_frequencies=2",
+    )
     parser.add_argument("--config", action="append", metavar="FIELD=VALUE", help="QKMapConfig field for every run")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: byte-level)")
     parser.add_argument("--text-field", default="text")
@@ -42,14 +46,31 @@ def run(args: argparse.Namespace) -> int:
 
     from ..training.compare import CompareOptions, parse_variant, run_comparison
     from ..training.trainer import parse_overrides
+    from .paths import require_path, require_paths
 
+    require_paths("--data", args.data)
+    require_path("--tokenizer", args.tokenizer, "tokenizer folder", hub_id_ok=True)
     options = CompareOptions(
-        data=args.data, output_dir=args.output_dir, preset=args.preset, steps=args.steps, seeds=args.seeds,
-        first_seed=args.first_seed, config=parse_overrides(args.config or []), tokenizer=args.tokenizer,
-        text_field=args.text_field, block_size=args.block_size, batch_size=args.batch_size,
-        learning_rate=args.learning_rate, qkmap_lr_multiplier=args.qkmap_lr_multiplier, weight_decay=args.weight_decay,
-        warmup=args.warmup, eval_steps=args.eval_steps, logging_steps=args.logging_steps,
-        max_eval_blocks=args.max_eval_blocks, eval_fraction=args.eval_fraction, split_seed=args.split_seed,
+        data=args.data,
+        output_dir=args.output_dir,
+        preset=args.preset,
+        steps=args.steps,
+        seeds=args.seeds,
+        first_seed=args.first_seed,
+        config=parse_overrides(args.config or []),
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        qkmap_lr_multiplier=args.qkmap_lr_multiplier,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        eval_steps=args.eval_steps,
+        logging_steps=args.logging_steps,
+        max_eval_blocks=args.max_eval_blocks,
+        eval_fraction=args.eval_fraction,
+        split_seed=args.split_seed,
         max_tokens=args.max_tokens,
     )
     if args.variant:

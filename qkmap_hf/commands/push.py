@@ -19,8 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hub import PushValidationError, files_to_upload, push_to_hub, validate_for_push
+    from ..hub import PushValidationError, check_repo_id, files_to_upload, push_to_hub, validate_for_push
+    from .paths import require_path
 
+    check_repo_id(args.repo_id)
+    require_path("MODEL", args.model, "checkpoint folder")
     if args.dry_run:
         problems = validate_for_push(args.model)
         if problems:

@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..verify import verify_conversion
+    from .paths import require_path
 
+    require_path("SRC", args.src, "checkpoint folder", hub_id_ok=True)
+    require_path("DST", args.dst, "checkpoint folder")
     if not Path(args.text).is_file():
         print(f"qkmap verify: error: --text {args.text}: no such file", file=sys.stderr)
         return 2
@@ -42,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_save:
         path = report.save(args.json or Path(args.dst) / "verification.json")
         print(f"wrote {path}")
+    if report.non_finite():
+        raise ValueError(
+            f"{args.dst}: verification gave non-finite {', '.join(report.non_finite())}; a model is broken."
+        )
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..safety import check_overwrite_target
 from .errors import ConversionError
 from .plan import ConversionPlan, PlannedTensor
 from .sources import INDEX_NAME, SAFETENSORS_DTYPES, TOKENIZER_FILES, FileSpan, TensorSource
@@ -132,6 +133,8 @@ def check_destination(src_dirs: list[Path], dst: Path, overwrite: bool) -> None:
             raise ConversionError(
                 f"DST {dst} exists and is not empty; pass --overwrite (overwrite=True) to replace it."
             )
+        if any(dst.iterdir()):  # never the working folder, a source's parent, or a folder that is not a model's
+            check_overwrite_target(dst, src_dirs)
 
 
 @contextlib.contextmanager

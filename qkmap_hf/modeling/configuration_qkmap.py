@@ -7,12 +7,16 @@ import only torch and transformers (and sibling files, relatively).
 
 from __future__ import annotations
 
+import math
+
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 QK_MODES = ("standard", "qk_norm", "qk_map")
 QKMAP_FREQUENCY_SHARING = ("channel", "head")
 QKMAP_GAIN_PARAMETRIZATIONS = ("absolute", "inverse_frequency")
 QKMAP_INITS = ("native", "exact")
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it the weights underflow to 0 (or 1/x to inf)
 AUTO_MAP = {
     "AutoConfig": "configuration_qkmap.QKMapConfig",
     "AutoModel": "modeling_qkmap.QKMapModel",
@@ -77,6 +81,37 @@ class QKMapConfig(LlamaConfig):
         # Saved checkpoints load without qkmap_hf through these entries and the files copied beside them.
         self.auto_map = dict(AUTO_MAP)
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """Refuse a checkpoint of another model type: its weights do not fit QK-MAP attention without conversion."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        model_type = config_dict.get("model_type")
+        if model_type not in (None, cls.model_type):
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is a `{model_type}` checkpoint, not QK-MAP (model_type "
+                f"'{cls.model_type}'); convert it first with `qkmap convert {pretrained_model_name_or_path} DST`, "
+                "or load it with AutoModelForCausalLM."
+            )
+        return config_dict, kwargs
+
+    def validate_float_fields(self) -> None:
+        """Every float field of this class (present and future): a real number, finite, usable in float32."""
+        for name, annotation in type(self).__annotations__.items():
+            if "float" not in str(annotation):
+                continue
+            value = getattr(self, name, None)
+            if value is None and "None" in str(annotation):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"QKMapConfig.{name}={value!r} is invalid; it must be a number ({annotation}).")
+            if not math.isfinite(value):
+                raise ValueError(f"QKMapConfig.{name}={value!r} is invalid; it must be a finite number.")
+            if value != 0 and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+                raise ValueError(
+                    f"QKMapConfig.{name}={value!r} is invalid; its magnitude must lie between {FLOAT32_TINY:.3g} and "
+                    f"{FLOAT32_MAX:.3g} (float32 weights and 1/{name} must be finite and non-zero)."
+                )
+
     def validate_qkmap(self) -> None:
         """Raise ``ValueError`` naming the first invalid field and what it accepts."""
 
@@ -89,6 +124,7 @@ class QKMapConfig(LlamaConfig):
             if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
                 raise ValueError(f"QKMapConfig.{field}={value!r} is invalid; it must be a positive {kind.__name__}.")
 
+        self.validate_float_fields()
         choice("qk_mode", QK_MODES)
         choice("qkmap_frequency_sharing", QKMAP_FREQUENCY_SHARING)
         choice("qkmap_gain_parametrization", QKMAP_GAIN_PARAMETRIZATIONS)

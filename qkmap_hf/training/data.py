@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from ..safety import read_text_file
+
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 BYTE_LEVEL_EOS = "<|endoftext|>"
@@ -132,7 +134,7 @@ def iter_documents(paths: Sequence[str | Path], text_field: str = "text") -> Ite
             if file.suffix.lower() in JSONL_SUFFIXES:
                 yield from _iter_jsonl(file, text_field)
             else:
-                yield file.read_text(encoding="utf-8", errors="replace")
+                yield read_text_file(file)  # binary or non-UTF-8 input is refused, naming the file
 
 
 # --------------------------------------------------------------------------------------------------

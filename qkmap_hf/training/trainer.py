@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import default_data_collator
 
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
+from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
 from .optim import QKMAP_LR_MULTIPLIER, QKMapTrainer, classify_parameters
 from .presets import PRESETS, get_preset, preset_config
 
@@ -265,15 +267,20 @@ def build_model(options: TrainOptions, tokenizer, block_size: int):
 def resolve_defaults(options: TrainOptions, model_config=None) -> dict[str, Any]:
     """Block size, batch size and learning rate: flag, else the preset's, else the checkpoint defaults."""
     preset = get_preset(options.model) if is_preset(options.model) else None
-    block = options.block_size or (preset.block_size if preset else None)
+    block = options.block_size if options.block_size is not None else (preset.block_size if preset else None)
     if block is None:
         limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_CHECKPOINT_BLOCK
         block = min(DEFAULT_CHECKPOINT_BLOCK, limit)
     return {
         "block_size": block,
-        "batch_size": options.batch_size or (preset.batch_size if preset else DEFAULT_CHECKPOINT_BATCH),
-        "learning_rate": options.learning_rate or (preset.learning_rate if preset else DEFAULT_CHECKPOINT_LR),
+        "batch_size": _given(options.batch_size, preset.batch_size if preset else DEFAULT_CHECKPOINT_BATCH),
+        "learning_rate": _given(options.learning_rate, preset.learning_rate if preset else DEFAULT_CHECKPOINT_LR),
     }
+
+
+def _given(value, default):
+    """``value`` unless it was not given (``None``): 0 means 0, never "the default"."""
+    return default if value is None else value
 
 
 def bf16_enabled(setting: str) -> bool:
@@ -346,22 +353,8 @@ def fsdp_settings(options: TrainOptions, model) -> dict[str, Any]:
 
 
 def resume_checkpoint(options: TrainOptions) -> str | None:
-    """The checkpoint folder ``--resume`` names (``latest``: the newest ``checkpoint-*`` in the output dir)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if not options.resume:
-        return None
-    if options.resume != "latest":
-        if not Path(options.resume).is_dir():
-            raise FileNotFoundError(f"--resume {options.resume}: no such checkpoint folder.")
-        return options.resume
-    last = get_last_checkpoint(options.output_dir) if Path(options.output_dir).is_dir() else None
-    if last is None:
-        raise FileNotFoundError(
-            f"--resume: no checkpoint-* folder in {options.output_dir}; run without --resume, or pass the "
-            "checkpoint folder to resume from."
-        )
-    return last
+    """The checkpoint folder ``--resume`` names (``latest``: the newest complete ``checkpoint-*``; see guards)."""
+    return pick_resume_checkpoint(options.resume, options.output_dir)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,6 +458,8 @@ def train(
     ``save=False`` writes nothing but the provenance file (the comparison keeps only its numbers).
     """
     started = time.time()
+    check_train_options(options)
+    check_output_dir(options.model, options.output_dir, is_checkpoint=not is_preset(options.model))
     if options.lora and options.fsdp:
         raise ValueError("--lora with --fsdp is not supported by qkmap train (merging needs the full weights); use DDP.")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
@@ -500,7 +495,7 @@ def train(
             target_modules=options.lora_target_modules,
             train_qk_parameters=options.lora_train_qk,
         )
-    qkmap_lr = options.qkmap_learning_rate or options.qkmap_lr_multiplier * resolved["learning_rate"]
+    qkmap_lr = _given(options.qkmap_learning_rate, options.qkmap_lr_multiplier * resolved["learning_rate"])
     resolved["qkmap_learning_rate"] = qkmap_lr
 
     args = training_arguments(options, resolved, model, has_eval)
@@ -510,7 +505,8 @@ def train(
         train_dataset=train_dataset,
         eval_dataset=eval_dataset if has_eval else None,
         processing_class=tokenizer,
-        callbacks=callbacks,
+        data_collator=default_data_collator,  # packed blocks of equal length: no padding, no pad token needed
+        callbacks=[*(callbacks or []), CheckpointCompletion()],
         qkmap_learning_rate=qkmap_lr,
         qkmap_weight_decay=options.qkmap_weight_decay,
     )

@@ -1,0 +1,173 @@
+"""Guards against hostile or accidental inputs, shared by conversion, training and publishing.
+
+- ``pickle_reason``: is a file a pickle (or a container of one), judged by its bytes, whatever its name?
+  Loading a pickle can run arbitrary code; this package never unpickles.
+- ``check_overwrite_target``: may ``--overwrite`` replace this folder? Never the working folder (or a parent of
+  it), a parent of the source, the home folder, or a folder that is not a model folder.
+- ``read_text_file``: the text of a training file, refused with its name when it is binary or not UTF-8.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickletools
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+
+_PICKLE_PROTOCOL_OPCODE = 0x80  # PROTO, first opcode of every protocol 2+ pickle
+_PROBE_BYTES = 1 << 16
+_SMALL_PICKLE_BYTES = 4 << 20  # protocol 0/1 pickles have no magic bytes: parse small files whole
+_NPY_MAGIC = b"\x93NUMPY"
+PROVENANCE_MARKERS = ("qkmap_conversion.json", "qkmap_training.json")
+
+
+def _parses_as_pickle(data: bytes, *, whole: bool) -> bool:
+    """Whether ``data`` is a run of pickle opcodes (``whole``: ending with STOP at the last byte, stack-checked)."""
+    if whole:
+        try:
+            pickletools.dis(data, out=io.StringIO())
+        except Exception:  # pickletools raises ValueError/IndexError/... on anything that is not a pickle
+            return False
+        return data.rstrip(b"\n").endswith(b".")
+    opcodes = 0
+    try:
+        for opcode, _arg, _pos in pickletools.genops(data):
+            opcodes += 1
+            if opcode.name == "STOP" or opcodes >= 8:
+                return True
+    except Exception:  # a truncated probe ends mid-argument; a non-pickle fails on its first bytes
+        return opcodes >= 4
+    return opcodes >= 2
+
+
+def pickle_reason(path: str | os.PathLike) -> str | None:
+    """Why the file at ``path`` holds pickled data (``None``: it does not), from its content alone.
+
+    Recognises protocol 2-5 pickles (``torch.save`` legacy files, joblib), zip archives with a pickle inside
+    (``torch.save``'s default format, ``.npz`` with objects), NumPy ``.npy`` files of dtype object, and small
+    protocol 0/1 pickles. Safetensors and GGUF files are not pickles whatever their first bytes.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(_PROBE_BYTES)
+            size = os.fstat(handle.fileno()).st_size
+    except OSError:
+        return None
+    if (
+        len(head) >= 2
+        and head[0] == _PICKLE_PROTOCOL_OPCODE
+        and 2 <= head[1] <= 5
+        and _parses_as_pickle(head, whole=False)
+    ):
+        return f"a protocol-{head[1]} pickle"
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                inner = [name for name in archive.namelist() if name.endswith((".pkl", ".pickle"))]
+                inner += [
+                    name
+                    for name in archive.namelist()
+                    if name.endswith(".npy") and _npy_is_object(archive.read(name)[:256])
+                ]
+        except (zipfile.BadZipFile, OSError):
+            inner = []
+        if inner:
+            return f"a zip archive holding pickled data ({inner[0]})"
+        return None
+    if head.startswith(_NPY_MAGIC):
+        return "a NumPy array of Python objects (stored as a pickle)" if _npy_is_object(head) else None
+    if size <= _SMALL_PICKLE_BYTES and head[:1] in (b"(", b"]", b"}", b"c", b"I", b"F", b"S", b"V", b"N", b"L", b"K"):
+        data = head if size <= len(head) else path.read_bytes()
+        if _parses_as_pickle(data, whole=True):
+            return "a protocol-0/1 pickle"
+    return None
+
+
+def _npy_is_object(head: bytes) -> bool:
+    header = head[10:256].split(b"\n", 1)[0]
+    return head.startswith(_NPY_MAGIC) and (b"'|O'" in header or b"'O'" in header or b"'<O'" in header)
+
+
+def find_pickles(folder: str | os.PathLike, names: Iterable[str]) -> list[tuple[str, str]]:
+    """``(name, reason)`` for each of ``names`` (relative to ``folder``) whose content is pickled."""
+    found = []
+    for name in names:
+        reason = pickle_reason(Path(folder) / name)
+        if reason is not None:
+            found.append((name, reason))
+    return found
+
+
+def symlinks_in(folder: str | os.PathLike) -> list[str]:
+    """Symlinks under ``folder`` (files or folders, recursively), each with its target and whether that is outside.
+
+    An upload follows them: a link can publish a file from anywhere on the machine."""
+    root = Path(folder).resolve()
+    found = []
+    for current, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            path = Path(current, name)
+            if path.is_symlink():
+                target = path.resolve()
+                where = "outside the folder" if not target.is_relative_to(root) else "inside the folder"
+                found.append(f"{path.relative_to(root).as_posix()} (a symlink to {target}, {where})")
+    return found
+
+
+def is_model_folder(folder: Path) -> bool:
+    """A folder a previous convert/train/save_pretrained wrote: weights (safetensors or GGUF) at its top level, or
+    a qkmap provenance record."""
+    if any((folder / marker).is_file() for marker in PROVENANCE_MARKERS):
+        return True
+    return (
+        any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")) or any(folder.glob("*.gguf"))
+    )
+
+
+def check_overwrite_target(
+    dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = (), *, option: str = "DST"
+) -> None:
+    """Refuse (``ValueError``) to replace ``dst`` with ``--overwrite`` unless it is a model folder that holds
+    none of: the working folder, a source, the home folder. Call only when ``dst`` exists and is not empty."""
+    dst = Path(dst).expanduser()
+    target = dst.resolve()
+    cwd = Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise ValueError(
+            f"{option} {dst} is the working folder or a parent of it; --overwrite never replaces it. "
+            "Choose a new folder for the output."
+        )
+    home = Path.home().resolve()
+    if target == home or target in home.parents:
+        raise ValueError(f"{option} {dst} is the home folder or a parent of it; --overwrite never replaces it.")
+    for source in sources:
+        source = Path(source).expanduser().resolve()
+        if target == source or target in source.parents:
+            raise ValueError(f"{option} {dst} holds the source {source}; --overwrite never replaces it.")
+    if not is_model_folder(target):
+        raise ValueError(
+            f"{option} {dst} is not empty and is not a model folder (no *.safetensors or *.gguf weights, no "
+            f"{' or '.join(PROVENANCE_MARKERS)}); "
+            "--overwrite replaces only a previous output. Choose a new or empty folder."
+        )
+
+
+def read_text_file(path: str | os.PathLike) -> str:
+    """The UTF-8 text of a training file; ``ValueError`` naming the file if it is binary or not UTF-8."""
+    path = Path(path)
+    data = path.read_bytes()
+    if b"\x00" in data[:_PROBE_BYTES]:
+        raise ValueError(
+            f"{path} is binary (it contains NUL bytes), not text; pass text, JSONL or dataset folders with --data."
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {error.start}, line {line}: {error.reason}); convert it to UTF-8 "
+            "(e.g. iconv -t UTF-8) or remove it from --data."
+        ) from error
