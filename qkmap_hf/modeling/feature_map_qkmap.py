@@ -13,34 +13,36 @@ from __future__ import annotations
 import torch
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's RoPE on the last dimension: ``x * cos + rotate_half(x) * sin``, written on the two halves."""
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjoint: bool) -> None:
+    """Llama's RoPE ``x * cos + rotate_half(x) * sin`` on the last dimension (or its adjoint), in place.
+
+    On the two halves, with a fused multiply-add per half and one half-size copy: forward
+    ``(x1 c1 - x2 s1, x2 c2 + x1 s2)``, adjoint ``(x1 c1 + x2 s2, x2 c2 - x1 s1)``. In place because on a CPU
+    a fresh buffer costs a page fault per 4 KiB on first touch, about as much as the arithmetic.
+    """
     x1, x2 = x.chunk(2, dim=-1)
     cos1, cos2 = cos.chunk(2, dim=-1)
     sin1, sin2 = sin.chunk(2, dim=-1)
-    return torch.cat((x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2), dim=-1)
+    first = x1.clone()
+    x1.mul_(cos1).addcmul_(x2, sin2 if adjoint else sin1, value=1 if adjoint else -1)
+    x2.mul_(cos2).addcmul_(first, sin1 if adjoint else sin2, value=-1 if adjoint else 1)
 
 
-def _rotate_transposed(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The adjoint of ``_rotate`` (its gradient with respect to ``x``)."""
-    g1, g2 = grad.chunk(2, dim=-1)
-    cos1, cos2 = cos.chunk(2, dim=-1)
-    sin1, sin2 = sin.chunk(2, dim=-1)
-    return torch.cat((g1 * cos1 + g2 * sin2, g2 * cos2 - g1 * sin1), dim=-1)
-
-
-def _rotate_blocks(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_cos_blocks: bool, adjoint: bool):
-    """RoPE (or its adjoint) per block of ``x`` shaped ``(..., F, 2, m)``; cos blocks (index 0) only if asked."""
-    rotate = _rotate_transposed if adjoint else _rotate
-    if rotate_cos_blocks:
-        return rotate(x, cos, sin)
-    return torch.cat((x[..., :1, :], rotate(x[..., 1:, :], cos, sin)), dim=-2)
+def _rotate_blocks_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_cos_blocks: bool, adjoint: bool):
+    """RoPE (or its adjoint) in place per block of ``x`` shaped ``(..., F, 2, m)``; cos blocks only if asked."""
+    _rotate_(x if rotate_cos_blocks else x[..., 1:, :], cos, sin, adjoint)
+    return x
 
 
 class _Layout:
-    """Views of the inputs that broadcast to ``(batch, kv_heads, groups, seq, F, 2, m)`` in the compute dtype."""
+    """Views that broadcast to ``(batch, seq, kv_heads, groups, F, 2, m)`` in the compute dtype.
 
-    def __init__(self, z: torch.Tensor, frequency: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor):
+    Token-major, like the projections the model feeds in (``q_proj(x).view(b, t, h, m).transpose(1, 2)``), so
+    every elementwise pass walks memory in order; the output is handed back as a ``(batch, heads, seq, 2F*m)``
+    view, as Llama's RoPE output is.
+    """
+
+    def __init__(self, z: torch.Tensor, frequency: torch.Tensor, cos: torch.Tensor):
         self.batch, self.heads, self.seq, self.m = z.shape
         self.kv_heads, self.num_freq, self.freq_width = frequency.shape
         self.groups = self.heads // self.kv_heads
@@ -49,33 +51,41 @@ class _Layout:
         self.table_batch = cos.shape[0]
 
     def z(self, z: torch.Tensor) -> torch.Tensor:
-        return z.to(self.dtype).view(self.batch, self.kv_heads, self.groups, self.seq, 1, self.m)
+        return z.transpose(1, 2).to(self.dtype).view(self.batch, self.seq, self.kv_heads, self.groups, 1, self.m)
 
     def frequency(self, frequency: torch.Tensor) -> torch.Tensor:
-        return frequency.to(self.dtype).view(1, self.kv_heads, 1, 1, self.num_freq, self.freq_width)
+        return frequency.to(self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, self.freq_width)
 
     def gain(self, gain: torch.Tensor) -> torch.Tensor:
-        return gain.to(self.dtype).view(1, self.kv_heads, 1, 1, self.num_freq, 2, self.m)
+        return gain.to(self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
 
     def table(self, table: torch.Tensor) -> torch.Tensor:
-        return table.to(self.dtype).view(self.table_batch, 1, 1, self.seq, 1, 1, self.m)
+        return table.to(self.dtype).view(self.table_batch, self.seq, 1, 1, 1, 1, self.m)
 
-    def phase(self, z: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-        """``omega * z`` per frequency block: ``(batch, kv_heads, groups, seq, F, m)``."""
-        return self.z(z) * self.frequency(frequency)
+    def blocks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a ``(batch, heads, seq, 2F*m)`` gradient as ``(..., F, 2, m)`` blocks."""
+        shape = (self.batch, self.seq, self.kv_heads, self.groups, self.num_freq, 2, self.m)
+        blocks = torch.empty(shape, dtype=self.dtype, device=tensor.device)  # ours to modify in place
+        blocks.view(self.batch, self.seq, self.heads, -1).copy_(tensor.transpose(1, 2))
+        return blocks
+
+    def trig(self, z: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+        """``(cos(omega z), sin(omega z))`` per frequency block, ``(batch, seq, kv_heads, groups, F, 2, m)``."""
+        # The phase written twice, into the cos and the sin slot, then cos/sin in place: one fresh buffer.
+        z = self.z(z).unsqueeze(-2)
+        frequency = self.frequency(frequency).unsqueeze(-2).expand(-1, -1, -1, -1, -1, 2, -1)
+        trig = z * frequency
+        trig[..., 0, :].cos_()
+        trig[..., 1, :].sin_()
+        return trig
 
     def output(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return features.reshape(self.batch, self.heads, self.seq, 2 * self.num_freq * self.m).to(dtype)
+        width = 2 * self.num_freq * self.m
+        return features.view(self.batch, self.seq, self.heads, width).transpose(1, 2).to(dtype)
 
-
-def _features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -> torch.Tensor:
-    """The forward formula (plain torch ops: differentiable by autograd too, which the fallback path uses)."""
-    layout = _Layout(z, frequency, gain, cos)
-    phase = layout.phase(z, frequency)
-    trig = torch.stack((phase.cos(), phase.sin()), dim=-2)  # (..., F, 2, m): rows cos_f, sin_f
-    features = trig * layout.gain(gain)
-    features = _rotate_blocks(features, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
-    return layout.output(features, z.dtype)
+    def unblock(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, kv_heads, groups, m)`` back to ``z``'s ``(batch, heads, seq, m)``."""
+        return tensor.reshape(self.batch, self.seq, self.heads, self.m).transpose(1, 2)
 
 
 class QKMapFeatureFunction(torch.autograd.Function):
@@ -83,7 +93,10 @@ class QKMapFeatureFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(z, frequency, gain, cos, sin, rotate_cos_blocks: bool):
-        return _features(z, frequency, gain, cos, sin, rotate_cos_blocks)
+        layout = _Layout(z, frequency, cos)
+        features = layout.trig(z, frequency).mul_(layout.gain(gain))
+        features = _rotate_blocks_(features, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
+        return layout.output(features, z.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -94,34 +107,41 @@ class QKMapFeatureFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         z, frequency, gain, cos, sin = ctx.saved_tensors
-        need_z, need_frequency, need_gain = ctx.needs_input_grad[:3]
-        layout = _Layout(z, frequency, gain, cos)
-        grad = grad_output.to(layout.dtype).reshape(
-            layout.batch, layout.kv_heads, layout.groups, layout.seq, layout.num_freq, 2, layout.m
-        )
+        need_z, need_frequency, need_gain, need_cos, need_sin = ctx.needs_input_grad[:5]
+        layout = _Layout(z, frequency, cos)
+        table_cos, table_sin = layout.table(cos), layout.table(sin)
+        grad = layout.blocks(grad_output)
+        trig = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
+        grad_cos = grad_sin = None
+        if need_cos or need_sin:  # out = u cos + rotate_half(u) sin on the rotated blocks, u = gain * trig
+            rotated = slice(None) if ctx.rotate_cos_blocks else slice(1, None)
+            features = (trig * layout.gain(gain))[..., rotated, :]
+            grad_rotated = grad[..., rotated, :]
+            if need_cos:
+                grad_cos = (grad_rotated * features).sum_to_size(table_cos.shape).view(cos.shape).to(cos.dtype)
+            if need_sin:
+                first, second = features.chunk(2, dim=-1)
+                half_turn = torch.cat((-second, first), dim=-1)  # rotate_half
+                grad_sin = (grad_rotated * half_turn).sum_to_size(table_sin.shape).view(sin.shape).to(sin.dtype)
         # Through the rotation (orthogonal and linear): d features = R^T grad.
-        grad = _rotate_blocks(grad, layout.table(cos), layout.table(sin), ctx.rotate_cos_blocks, adjoint=True)
-        phase = layout.phase(z, frequency)  # recomputed bit for bit as in the forward pass
-        cos_phase, sin_phase = phase.cos(), phase.sin()
-        # Reduce over what the parameters broadcast across: batch, the query heads of a group, positions.
-        grad_gain = None
-        if need_gain:
-            trig = torch.stack((cos_phase, sin_phase), dim=-2)
-            grad_gain = (grad * trig).sum(dim=(0, 2, 3)).view(gain.shape).to(gain.dtype)
-        grad_z = grad_frequency = None
+        grad = _rotate_blocks_(grad, table_cos, table_sin, ctx.rotate_cos_blocks, adjoint=True)
+        grad_z = grad_frequency = grad_gain = None
         if need_z or need_frequency:
-            grad = grad * layout.gain(gain)
             # d/dphase of (a cos(phase), b sin(phase)) = (-a sin(phase), b cos(phase)).
-            grad_phase = grad[..., 1, :] * cos_phase - grad[..., 0, :] * sin_phase
-            if need_z:
-                grad_z = (grad_phase * layout.frequency(frequency)).sum(dim=-2)
-                grad_z = grad_z.reshape(z.shape).to(z.dtype)
+            gain_blocks = layout.gain(gain)
+            grad_phase = (grad[..., 1, :] * trig[..., 0, :]).mul_(gain_blocks[..., 1, :])
+            grad_phase.sub_((grad[..., 0, :] * trig[..., 1, :]).mul_(gain_blocks[..., 0, :]))
+            # Reduce over what the parameters broadcast across: batch, positions, the query heads of a group.
             if need_frequency:
-                grad_frequency = (grad_phase * layout.z(z)).sum(dim=(0, 2, 3))
-                if layout.freq_width == 1:
-                    grad_frequency = grad_frequency.sum(dim=-1, keepdim=True)
-                grad_frequency = grad_frequency.to(frequency.dtype)
-        return grad_z, grad_frequency, grad_gain, None, None, None
+                grad_frequency = (grad_phase * layout.z(z)).sum_to_size(layout.frequency(frequency).shape)
+                grad_frequency = grad_frequency.view(frequency.shape).to(frequency.dtype)
+            if need_z:
+                grad_z = grad_phase.mul_(layout.frequency(frequency))
+                grad_z = grad_z.squeeze(-2) if layout.num_freq == 1 else grad_z.sum(dim=-2)
+                grad_z = layout.unblock(grad_z).to(z.dtype)
+        if need_gain:
+            grad_gain = trig.mul_(grad).sum(dim=(0, 1, 3)).view(gain.shape).to(gain.dtype)
+        return grad_z, grad_frequency, grad_gain, grad_cos, grad_sin, None
 
 
 def qkmap_features(
@@ -143,10 +163,9 @@ def qkmap_features(
 
     Returns ``(batch, heads, seq, 2F*m)`` in ``z.dtype``. Phases, cos/sin and the rotation run in float32
     (float64 inputs stay float64); one broadcasted expression, no loop over blocks. When gradients are needed
-    the recomputing ``QKMapFeatureFunction`` runs; RoPE tables that need gradients take plain autograd.
+    the recomputing ``QKMapFeatureFunction`` runs; without them its forward runs alone (no autograd node).
     """
-    if not torch.is_grad_enabled() or cos.requires_grad or sin.requires_grad:
-        return _features(z, frequency, gain, cos, sin, rotate_cos_blocks)
-    if not (z.requires_grad or frequency.requires_grad or gain.requires_grad):
-        return _features(z, frequency, gain, cos, sin, rotate_cos_blocks)
-    return QKMapFeatureFunction.apply(z, frequency, gain, cos, sin, rotate_cos_blocks)
+    inputs = (z, frequency, gain, cos, sin)
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
+        return QKMapFeatureFunction.apply(*inputs, rotate_cos_blocks)
+    return QKMapFeatureFunction.forward(*inputs, rotate_cos_blocks)
