@@ -4,8 +4,8 @@
 This file is copied into every saved checkpoint and loaded with ``trust_remote_code=True``: it must
 import only torch and transformers (and sibling files, relatively).
 
-Everything that differs from Llama sits in the first section: the feature map ``qkmap_features``, the
-``QKMapFeatureMap`` module that owns the frequencies and gains, and ``QKMapAttention`` with its three
+Everything that differs from Llama sits in the first section: the feature map ``qkmap_features`` (in
+feature_map_qkmap.py, with its recomputing backward pass), the ``QKMapFeatureMap`` module that owns the frequencies and gains, and ``QKMapAttention`` with its three
 modes. The rest is Llama's layout, parameter names included, so weights move between them by name.
 """
 
@@ -33,12 +33,12 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
-    rotate_half,
 )
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_qkmap import QKMapConfig
+from .feature_map_qkmap import qkmap_features
 
 # transformers 5.24 renamed the cache argument and output field from ``past_key_values`` to ``cache``.
 # One name per installed version keeps this file working across the supported 5.x range.
@@ -56,38 +56,6 @@ FLASH_MAX_HEAD_DIM = 256
 # --------------------------------------------------------------------------------------------------
 # The QK-MAP math
 # --------------------------------------------------------------------------------------------------
-
-
-def qkmap_features(
-    z: torch.Tensor,
-    frequency: torch.Tensor,
-    gain: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """Map projected queries or keys to RoPE-rotated periodic features, ``phi`` of docs/method.md.
-
-    Args:
-        z: ``(batch, heads, seq, m)`` projections; ``heads`` is a multiple of the key/value heads.
-        frequency: ``(kv_heads, F, m)`` or ``(kv_heads, F, 1)`` positive float32 frequencies ``omega``.
-        gain: ``(kv_heads, 2F, m)`` float32 effective gains, rows ordered ``cos_0, sin_0, cos_1, ...``.
-        cos, sin: ``(batch or 1, seq, m)`` RoPE tables for dimension ``m``.
-
-    Returns ``(batch, heads, seq, 2F*m)`` in ``z.dtype``. Phases, cos/sin and the rotation run in float32
-    (a bf16 phase of magnitude 100 is off by 0.5 rad); one broadcasted expression, no loop over blocks.
-    """
-    batch, heads, seq, m = z.shape
-    kv_heads, num_freq = frequency.shape[0], frequency.shape[1]
-    groups = heads // kv_heads
-    # (batch, kv_heads, groups, seq, 1, m) * (1, kv_heads, 1, 1, F, m) -> phases per frequency block.
-    phase = z.float().view(batch, kv_heads, groups, seq, 1, m) * frequency.view(1, kv_heads, 1, 1, num_freq, -1)
-    features = torch.stack((phase.cos(), phase.sin()), dim=-2)  # (..., F, 2, m)
-    features = features * gain.view(1, kv_heads, 1, 1, num_freq, 2, m)
-    # Block-wise RoPE: every block of m channels rotates like a Llama head of dimension m.
-    cos = cos.float().view(cos.shape[0], 1, 1, seq, 1, 1, m)
-    sin = sin.float().view(sin.shape[0], 1, 1, seq, 1, 1, m)
-    features = features * cos + rotate_half(features) * sin
-    return features.reshape(batch, heads, seq, 2 * num_freq * m).to(z.dtype)
 
 
 def qkmap_native_frequencies(config: QKMapConfig) -> torch.Tensor:

@@ -1,0 +1,171 @@
+# Copyright 2026 The qkmap-hf authors. Licensed under the Apache License, Version 2.0.
+"""The QK-MAP feature map ``phi`` of docs/method.md, with a backward pass that recomputes instead of storing.
+
+Copied into every checkpoint next to modeling_qkmap.py (it imports only torch). Plain autograd over the
+elementwise chain keeps phases, cos, sin and the gained features of every query and key for the backward
+pass: about five times the bytes of ``z``. ``QKMapFeatureFunction`` keeps ``z`` and the small parameter
+tensors only and recomputes cos/sin in the backward pass; its gradients are autograd's up to float rounding
+(tests/test_feature_map.py checks them against autograd of the written-out formula).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjoint: bool) -> None:
+    """Llama's RoPE ``x * cos + rotate_half(x) * sin`` on the last dimension (or its adjoint), in place.
+
+    On the two halves, with a fused multiply-add per half and one half-size copy: forward
+    ``(x1 c1 - x2 s1, x2 c2 + x1 s2)``, adjoint ``(x1 c1 + x2 s2, x2 c2 - x1 s1)``. In place because on a CPU
+    a fresh buffer costs a page fault per 4 KiB on first touch, about as much as the arithmetic.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    cos1, cos2 = cos.chunk(2, dim=-1)
+    sin1, sin2 = sin.chunk(2, dim=-1)
+    first = x1.clone()
+    x1.mul_(cos1).addcmul_(x2, sin2 if adjoint else sin1, value=1 if adjoint else -1)
+    x2.mul_(cos2).addcmul_(first, sin1 if adjoint else sin2, value=-1 if adjoint else 1)
+
+
+def _rotate_blocks_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_cos_blocks: bool, adjoint: bool):
+    """RoPE (or its adjoint) in place per block of ``x`` shaped ``(..., F, 2, m)``; cos blocks only if asked."""
+    _rotate_(x if rotate_cos_blocks else x[..., 1:, :], cos, sin, adjoint)
+    return x
+
+
+class _Layout:
+    """Views that broadcast to ``(batch, seq, kv_heads, groups, F, 2, m)`` in the compute dtype.
+
+    Token-major, like the projections the model feeds in (``q_proj(x).view(b, t, h, m).transpose(1, 2)``), so
+    every elementwise pass walks memory in order; the output is handed back as a ``(batch, heads, seq, 2F*m)``
+    view, as Llama's RoPE output is.
+    """
+
+    def __init__(self, z: torch.Tensor, frequency: torch.Tensor, cos: torch.Tensor):
+        self.batch, self.heads, self.seq, self.m = z.shape
+        self.kv_heads, self.num_freq, self.freq_width = frequency.shape
+        self.groups = self.heads // self.kv_heads
+        # float32 at least (docs/method.md: a bf16 phase of magnitude 100 is off by 0.5 rad); float64 stays.
+        self.dtype = torch.promote_types(z.dtype, torch.float32)
+        self.table_batch = cos.shape[0]
+
+    def z(self, z: torch.Tensor) -> torch.Tensor:
+        return z.transpose(1, 2).to(self.dtype).view(self.batch, self.seq, self.kv_heads, self.groups, 1, self.m)
+
+    def frequency(self, frequency: torch.Tensor) -> torch.Tensor:
+        return frequency.to(self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, self.freq_width)
+
+    def gain(self, gain: torch.Tensor) -> torch.Tensor:
+        return gain.to(self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
+
+    def table(self, table: torch.Tensor) -> torch.Tensor:
+        return table.to(self.dtype).view(self.table_batch, self.seq, 1, 1, 1, 1, self.m)
+
+    def blocks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a ``(batch, heads, seq, 2F*m)`` gradient as ``(..., F, 2, m)`` blocks."""
+        shape = (self.batch, self.seq, self.kv_heads, self.groups, self.num_freq, 2, self.m)
+        blocks = torch.empty(shape, dtype=self.dtype, device=tensor.device)  # ours to modify in place
+        blocks.view(self.batch, self.seq, self.heads, -1).copy_(tensor.transpose(1, 2))
+        return blocks
+
+    def trig(self, z: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+        """``(cos(omega z), sin(omega z))`` per frequency block, ``(batch, seq, kv_heads, groups, F, 2, m)``."""
+        # The phase written twice, into the cos and the sin slot, then cos/sin in place: one fresh buffer.
+        z = self.z(z).unsqueeze(-2)
+        frequency = self.frequency(frequency).unsqueeze(-2).expand(-1, -1, -1, -1, -1, 2, -1)
+        trig = z * frequency
+        trig[..., 0, :].cos_()
+        trig[..., 1, :].sin_()
+        return trig
+
+    def output(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        width = 2 * self.num_freq * self.m
+        return features.view(self.batch, self.seq, self.heads, width).transpose(1, 2).to(dtype)
+
+    def unblock(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, kv_heads, groups, m)`` back to ``z``'s ``(batch, heads, seq, m)``."""
+        return tensor.reshape(self.batch, self.seq, self.heads, self.m).transpose(1, 2)
+
+
+class QKMapFeatureFunction(torch.autograd.Function):
+    """``phi`` with a recomputing backward pass: saves ``z``, ``omega``, gains and the RoPE tables only."""
+
+    @staticmethod
+    def forward(z, frequency, gain, cos, sin, rotate_cos_blocks: bool):
+        layout = _Layout(z, frequency, cos)
+        features = layout.trig(z, frequency).mul_(layout.gain(gain))
+        features = _rotate_blocks_(features, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
+        return layout.output(features, z.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        z, frequency, gain, cos, sin, rotate_cos_blocks = inputs
+        ctx.save_for_backward(z, frequency, gain, cos, sin)
+        ctx.rotate_cos_blocks = rotate_cos_blocks
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        z, frequency, gain, cos, sin = ctx.saved_tensors
+        need_z, need_frequency, need_gain, need_cos, need_sin = ctx.needs_input_grad[:5]
+        layout = _Layout(z, frequency, cos)
+        table_cos, table_sin = layout.table(cos), layout.table(sin)
+        grad = layout.blocks(grad_output)
+        trig = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
+        grad_cos = grad_sin = None
+        if need_cos or need_sin:  # out = u cos + rotate_half(u) sin on the rotated blocks, u = gain * trig
+            rotated = slice(None) if ctx.rotate_cos_blocks else slice(1, None)
+            features = (trig * layout.gain(gain))[..., rotated, :]
+            grad_rotated = grad[..., rotated, :]
+            if need_cos:
+                grad_cos = (grad_rotated * features).sum_to_size(table_cos.shape).view(cos.shape).to(cos.dtype)
+            if need_sin:
+                first, second = features.chunk(2, dim=-1)
+                half_turn = torch.cat((-second, first), dim=-1)  # rotate_half
+                grad_sin = (grad_rotated * half_turn).sum_to_size(table_sin.shape).view(sin.shape).to(sin.dtype)
+        # Through the rotation (orthogonal and linear): d features = R^T grad.
+        grad = _rotate_blocks_(grad, table_cos, table_sin, ctx.rotate_cos_blocks, adjoint=True)
+        grad_z = grad_frequency = grad_gain = None
+        if need_z or need_frequency:
+            # d/dphase of (a cos(phase), b sin(phase)) = (-a sin(phase), b cos(phase)).
+            gain_blocks = layout.gain(gain)
+            grad_phase = (grad[..., 1, :] * trig[..., 0, :]).mul_(gain_blocks[..., 1, :])
+            grad_phase.sub_((grad[..., 0, :] * trig[..., 1, :]).mul_(gain_blocks[..., 0, :]))
+            # Reduce over what the parameters broadcast across: batch, positions, the query heads of a group.
+            if need_frequency:
+                grad_frequency = (grad_phase * layout.z(z)).sum_to_size(layout.frequency(frequency).shape)
+                grad_frequency = grad_frequency.view(frequency.shape).to(frequency.dtype)
+            if need_z:
+                grad_z = grad_phase.mul_(layout.frequency(frequency))
+                grad_z = grad_z.squeeze(-2) if layout.num_freq == 1 else grad_z.sum(dim=-2)
+                grad_z = layout.unblock(grad_z).to(z.dtype)
+        if need_gain:
+            grad_gain = trig.mul_(grad).sum(dim=(0, 1, 3)).view(gain.shape).to(gain.dtype)
+        return grad_z, grad_frequency, grad_gain, grad_cos, grad_sin, None
+
+
+def qkmap_features(
+    z: torch.Tensor,
+    frequency: torch.Tensor,
+    gain: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotate_cos_blocks: bool = True,
+) -> torch.Tensor:
+    """Map projected queries or keys to RoPE-rotated periodic features, ``phi`` of docs/method.md.
+
+    Args:
+        z: ``(batch, heads, seq, m)`` projections; ``heads`` is a multiple of the key/value heads.
+        frequency: ``(kv_heads, F, m)`` or ``(kv_heads, F, 1)`` positive frequencies ``omega``.
+        gain: ``(kv_heads, 2F, m)`` effective gains, rows ordered ``cos_0, sin_0, cos_1, ...``.
+        cos, sin: ``(batch or 1, seq, m)`` RoPE tables for dimension ``m``.
+        rotate_cos_blocks: rotate the cos blocks with RoPE like the sin blocks (False: cos blocks unrotated).
+
+    Returns ``(batch, heads, seq, 2F*m)`` in ``z.dtype``. Phases, cos/sin and the rotation run in float32
+    (float64 inputs stay float64); one broadcasted expression, no loop over blocks. When gradients are needed
+    the recomputing ``QKMapFeatureFunction`` runs; without them its forward runs alone (no autograd node).
+    """
+    inputs = (z, frequency, gain, cos, sin)
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
+        return QKMapFeatureFunction.apply(*inputs, rotate_cos_blocks)
+    return QKMapFeatureFunction.forward(*inputs, rotate_cos_blocks)
