@@ -26,7 +26,7 @@ from .fileio import atomic_write_text
 from .version import __version__
 
 TEMPLATE_NAME = "qkmap_model_card.md"
-PROVENANCE_FILES = {"conversion": "qkmap_conversion.json", "training": "qkmap_training.json"}
+PROVENANCE_FILES = {"conversion": "qkmap_conversion.json", "training": "qkmap_training.json", "healing": "qkmap_healing.json"}
 ANALYSIS_SUBDIR = "analysis"
 BASE_TAGS = ["qk-map", "qkmap", "custom_code", "text-generation"]
 DEFAULT_LICENSE = "apache-2.0"
