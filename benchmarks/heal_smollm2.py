@@ -69,7 +69,9 @@ def plot(out: Path, summary: dict) -> None:
         if not rows:
             if arm == "llama":
                 steps = [r["step"] for r in record.get("curve", [])]
-                ax_ppl.plot(steps, [r["perplexity"] for r in record.get("curve", [])], "k--", label="llama (up-trained)")
+                ax_ppl.plot(
+                    steps, [r["perplexity"] for r in record.get("curve", [])], "k--", label="llama (up-trained)"
+                )
             continue
         steps = [r["step"] for r in rows]
         ax_ppl.plot(steps, [r["perplexity"] for r in rows], marker="o", label=arm)
@@ -129,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     datasets = build_datasets(
         files, tokenizer, args.block_size, max_eval_blocks=args.max_eval_blocks, max_tokens=args.max_tokens
     )
-    summary["settings"] = vars(args) | {"command": "python benchmarks/heal_smollm2.py " + " ".join(argv or sys.argv[1:])}
+    summary["settings"] = vars(args) | {
+        "command": "python benchmarks/heal_smollm2.py " + " ".join(argv or sys.argv[1:])
+    }
     summary["data"] = datasets[2].to_dict() | {"sources": len(files)}
     if args.behaviour and "source_behaviour" not in summary:
         summary["source_behaviour"] = attention_behaviour(str(source), tokenizer)
@@ -151,12 +155,21 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         if arm == "llama":
             result = train(options, datasets=datasets, tokenizer=tokenizer, save=False)
-            curve = [{"step": h["step"], "perplexity": math.exp(h["eval_loss"])} for h in result.log_history if "eval_loss" in h]
-            record = {"curve": curve, "final_perplexity": curve[-1]["perplexity"], "start_perplexity": curve[0]["perplexity"]}
+            curve = [
+                {"step": h["step"], "perplexity": math.exp(h["eval_loss"])}
+                for h in result.log_history
+                if "eval_loss" in h
+            ]
+            record = {
+                "curve": curve,
+                "final_perplexity": curve[-1]["perplexity"],
+                "start_perplexity": curve[0]["perplexity"],
+            }
         else:
             alpha = float(arm.split("-a", 1)[1]) if "-a" in arm else args.alpha
-            heal_options = HealOptions(teacher=str(source), alpha=alpha, kl_weight=args.kl_weight,
-                                       switch_on_key_gain=args.switch_on_key_gain)
+            heal_options = HealOptions(
+                teacher=str(source), alpha=alpha, kl_weight=args.kl_weight, switch_on_key_gain=args.switch_on_key_gain
+            )
             result = heal(options, heal_options, datasets=datasets, tokenizer=tokenizer)
             rows = json.loads((arm_dir / "heal.json").read_text())["evaluations"]
             record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha,

@@ -92,6 +92,12 @@ def regime(phase_p90_per_layer: list[float]) -> str:
     return "periodic" if labels == {"periodic"} else "transitional"
 
 
+def regime_from_roles(layers: list[dict[str, Any]]) -> str:
+    """The regime from per-role quantiles (``{"query": {"p90"...}, "key": {...}}`` per layer) when the pooled values
+    are gone (``qkmap analyze``): the pooled p90 lies between the two role p90s; the larger one stands in for it."""
+    return regime([max(layer["query"]["p90"], layer["key"]["p90"]) for layer in layers])
+
+
 def describe(label: str) -> str:
     return REGIME_DESCRIPTIONS[label]
 
@@ -190,4 +196,5 @@ __all__ = [
     "phase_magnitudes",
     "quantiles",
     "regime",
+    "regime_from_roles",
 ]

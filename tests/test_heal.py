@@ -52,7 +52,9 @@ def _channel_p90_of_phase(model, blocks) -> list[torch.Tensor]:
     hooks = []
     for index, attention in enumerate(layers):
         for projection in (attention.q_proj, attention.k_proj):
-            hooks.append(projection.register_forward_hook(lambda _m, _i, out, i=index: captured.setdefault(i, []).append(out)))
+            hooks.append(
+                projection.register_forward_hook(lambda _m, _i, out, i=index: captured.setdefault(i, []).append(out))
+            )
     with torch.no_grad():
         model(input_ids=blocks, use_cache=False)
     for hook in hooks:
@@ -75,7 +77,9 @@ def test_phase_schedule_is_exact_at_zero_log_linear_and_reaches_its_target(folde
     start = [layer.qk_map.log_frequency.clone() for layer in phases.feature_map_layers(model)]
     schedule.calibrate(model, blocks, step=0)
     schedule.apply(model, 0.0)
-    assert all(torch.equal(a.qk_map.log_frequency, s) for a, s in zip(phases.feature_map_layers(model), start, strict=True))
+    assert all(
+        torch.equal(a.qk_map.log_frequency, s) for a, s in zip(phases.feature_map_layers(model), start, strict=True)
+    )
 
     schedule.apply(model, 0.25)  # halfway through the ramp: halfway in log omega
     for index, attention in enumerate(phases.feature_map_layers(model)):

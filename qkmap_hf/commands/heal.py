@@ -29,20 +29,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("healing (schedules are fractions of --max-steps, so a short run goes all the way)")
     g.add_argument("--teacher", required=True, help="the source model folder (the converted model's origin)")
     g.add_argument("--alpha", type=float, default=d.alpha, help="target p90 phase per channel, rad")
-    g.add_argument("--phase-ramp", type=_fractions, default=d.phase_ramp, metavar="START:END",
-                   help="window over which omega goes log-linearly to alpha / p90|z|")
+    g.add_argument(
+        "--phase-ramp",
+        type=_fractions,
+        default=d.phase_ramp,
+        metavar="START:END",
+        help="window over which omega goes log-linearly to alpha / p90|z|",
+    )
     g.add_argument("--layerwise", action="store_true", help="ramp the layers one after another, first to last")
     g.add_argument("--block-spread", type=float, default=d.block_spread, help="phase ratio between frequency blocks")
-    g.add_argument("--recalibrate-every", type=int, default=d.recalibrate_every,
-                   help="re-measure p90|z| every N steps to hold the phases (0: calibrate once)")
+    g.add_argument(
+        "--recalibrate-every",
+        type=int,
+        default=d.recalibrate_every,
+        help="re-measure p90|z| every N steps to hold the phases (0: calibrate once)",
+    )
     g.add_argument("--calibration-blocks", type=int, default=d.calibration_blocks)
-    g.add_argument("--switch-on-ramp", type=_fractions, default=d.switch_on_ramp, metavar="START:END",
-                   help="window over which dead (cos, extra-block) key gains ramp to --switch-on-key-gain")
+    g.add_argument(
+        "--switch-on-ramp",
+        type=_fractions,
+        default=d.switch_on_ramp,
+        metavar="START:END",
+        help="window over which dead (cos, extra-block) key gains ramp to --switch-on-key-gain",
+    )
     g.add_argument("--switch-on-key-gain", type=float, default=d.switch_on_key_gain)
     g.add_argument("--kl-weight", type=float, default=d.kl_weight, help="lambda in CE + lambda * KL(teacher||student)")
     g.add_argument("--kl-weight-end", type=float, help="lambda at the end of the run (linear; default: constant)")
-    g.add_argument("--keep-inverse-frequency-gains", dest="native_gains", action="store_false",
-                   help="save with inverse-frequency gains instead of the native absolute ones")
+    g.add_argument(
+        "--keep-inverse-frequency-gains",
+        dest="native_gains",
+        action="store_false",
+        help="save with inverse-frequency gains instead of the native absolute ones",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

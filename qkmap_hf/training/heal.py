@@ -138,7 +138,9 @@ def _load_state(path: Path, schedules: list) -> dict[str, Any]:
             for key in keys:
                 value = meta[f"{schedule.name}.{key}"]
                 is_list = isinstance(value, int) and f"{schedule.name}.{key}.0" in handle.keys()  # noqa: SIM118
-                state[key] = [handle.get_tensor(f"{schedule.name}.{key}.{i}") for i in range(value)] if is_list else value
+                state[key] = (
+                    [handle.get_tensor(f"{schedule.name}.{key}.{i}") for i in range(value)] if is_list else value
+                )
             schedule.load_state_dict(state)
     return meta
 
@@ -165,7 +167,9 @@ class HealTrainer(QKMapTrainer):
             schedule.prepare(model)  # fresh: remembers start values; resumed: only freezes the frequencies
         super().__init__(*args, **kwargs)
         self.teacher = teacher.to(self.args.device)
-        blocks = self.train_dataset.blocks[: heal_options.calibration_blocks] if self.train_dataset is not None else None
+        blocks = (
+            self.train_dataset.blocks[: heal_options.calibration_blocks] if self.train_dataset is not None else None
+        )
         self.calibration_blocks = blocks
         self.add_callback(_ScheduleCallback(self))
         if registry is not None:  # lets ``heal`` read the rows after ``train`` returns

@@ -48,7 +48,9 @@ class Ramp:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.start <= self.end <= 1.0:
-            raise ValueError(f"ramp start={self.start}, end={self.end}: need 0 <= start <= end <= 1 (fractions of the run).")
+            raise ValueError(
+                f"ramp start={self.start}, end={self.end}: need 0 <= start <= end <= 1 (fractions of the run)."
+            )
         if self.shape not in ("linear", "cosine"):
             raise ValueError(f"ramp shape {self.shape!r}: choose linear or cosine.")
 
@@ -138,7 +140,9 @@ class PhaseScaleSchedule:
         """Remember the starting frequencies (on a fresh run) and freeze them: the schedule owns them."""
         layers = feature_map_layers(model)
         if not layers:
-            raise ValueError("the phase schedule needs a QK-MAP model (qk_mode='qk_map'); convert the checkpoint first.")
+            raise ValueError(
+                "the phase schedule needs a QK-MAP model (qk_mode='qk_map'); convert the checkpoint first."
+            )
         if not self.start_log_frequency:
             self.start_log_frequency = [a.qk_map.log_frequency.detach().float().cpu().clone() for a in layers]
         for attention in layers:
@@ -162,7 +166,9 @@ class PhaseScaleSchedule:
     @torch.no_grad()
     def apply(self, model: nn.Module, progress: float) -> None:
         layers = feature_map_layers(model)
-        for index, (attention, ramp) in enumerate(zip(layers, _layer_ramps(self.ramp, len(layers), self.layerwise), strict=True)):
+        for index, (attention, ramp) in enumerate(
+            zip(layers, _layer_ramps(self.ramp, len(layers), self.layerwise), strict=True)
+        ):
             parameter = attention.qk_map.log_frequency
             start = self.start_log_frequency[index]
             strength = ramp(progress)
@@ -205,7 +211,9 @@ class GainSwitchOnSchedule:
     @torch.no_grad()
     def apply(self, model: nn.Module, progress: float) -> None:
         layers = feature_map_layers(model)
-        for attention, rows, ramp in zip(layers, self.dead_rows, _layer_ramps(self.ramp, len(layers), self.layerwise), strict=True):
+        for attention, rows, ramp in zip(
+            layers, self.dead_rows, _layer_ramps(self.ramp, len(layers), self.layerwise), strict=True
+        ):
             if not rows.any() or progress > ramp.end:
                 continue  # after the ramp the optimizer owns the gains
             gain = attention.qk_map.key_gain
