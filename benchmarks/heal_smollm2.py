@@ -58,6 +58,35 @@ def attention_behaviour(model_dir: str, tokenizer, tokens: int = 256, windows: i
     }
 
 
+@torch.no_grad()
+def forcing_sweep(converted: Path, datasets, alphas: list[float], calibration_blocks: int = 8) -> list[dict]:
+    """The cost of forcing the bounded regime before any healing: omega = alpha / p90|z_c| (the heal schedule at its
+    end, calibrated on the first training blocks as in a heal), held-out perplexity and phases, no training."""
+    from transformers import AutoModelForCausalLM
+
+    from qkmap_hf.phases import PhaseRecorder
+    from qkmap_hf.training.schedules import PhaseScaleSchedule, Ramp
+
+    train_set, eval_set, _ = datasets
+    rows = []
+    for alpha in alphas:
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+        schedule = PhaseScaleSchedule(alpha, Ramp(0.0, 0.0))
+        schedule.prepare(model)
+        schedule.calibrate(model, train_set.blocks[:calibration_blocks], step=0)
+        schedule.apply(model, 1.0)
+        losses = []
+        with PhaseRecorder(model) as recorder:
+            for start in range(0, len(eval_set), 8):
+                batch = eval_set.blocks[start : start + 8]
+                losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
+        phases = recorder.summary()
+        rows.append({"alpha": alpha, "perplexity": math.exp(sum(losses) / len(eval_set)), "regime": phases["regime"],
+                     "phase_median": phases["phase_median"], "phase_p90": phases["phase_p90"]})  # fmt: skip
+        print("forcing", alpha, rows[-1]["perplexity"], min(phases["phase_p90"]), flush=True)
+    return rows
+
+
 def plot(out: Path, summary: dict) -> None:
     from matplotlib.figure import Figure
 
@@ -80,6 +109,10 @@ def plot(out: Path, summary: dict) -> None:
         ratio = [r["perplexity"] / llama["final_perplexity"] for r in rows] if llama.get("final_perplexity") else None
         if ratio:
             ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=arm)
+    forcing = summary.get("forcing") or []
+    if forcing and llama.get("start_perplexity"):
+        ax_front.plot([min(r["phase_p90"]) for r in forcing], [r["perplexity"] / llama["start_perplexity"] for r in forcing],
+                      "s--", color="grey", label="forced, no training (/ source)")  # fmt: skip
     ax_ppl.set(xlabel="optimizer step", ylabel="held-out perplexity", title="perplexity", yscale="log")
     ax_phase.axhline(1.0, color="grey", lw=0.8)
     ax_phase.axhline(0.1, color="grey", lw=0.8, ls=":")
@@ -112,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=400_000)
     parser.add_argument("--arms", nargs="+", default=["heal", "llama"], help="heal, heal-aALPHA, llama")
     parser.add_argument("--behaviour", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--forcing-alphas", nargs="*", type=float, default=[],
+                        help="also measure the untrained cost of forcing these alphas (after the arms)")  # fmt: skip
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args(argv)
 
@@ -180,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["arms"][arm] = record
         atomic_write_json(summary_path, summary)
         print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
+        plot(out, summary)
+    if args.forcing_alphas:
+        summary["forcing"] = forcing_sweep(converted, datasets, args.forcing_alphas)
+        atomic_write_json(summary_path, summary)
         plot(out, summary)
     return 0
 

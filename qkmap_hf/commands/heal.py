@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser)
     for action in parser._actions:  # the positional CONVERTED takes --model's place
         if action.dest == "model" and action.option_strings:
-            action.required = False
+            action.required, action.help = False, argparse.SUPPRESS
     d = HealOptions(teacher="")
     g = parser.add_argument_group("healing (schedules are fractions of --max-steps, so a short run goes all the way)")
     g.add_argument("--teacher", required=True, help="the source model folder (the converted model's origin)")

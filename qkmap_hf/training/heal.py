@@ -49,14 +49,14 @@ class HealOptions:
     """What ``qkmap heal`` adds to ``qkmap train``'s options (flags ``--alpha``, ``--phase-ramp``...)."""
 
     teacher: str
-    alpha: float = 1.0
+    alpha: float = 1.2
     phase_ramp: tuple[float, float] = (0.0, 0.5)
     layerwise: bool = False
     block_spread: float = 2.0
     recalibrate_every: int = 10
     calibration_blocks: int = 8
     switch_on_ramp: tuple[float, float] = (0.4, 0.6)
-    switch_on_key_gain: float = 0.1
+    switch_on_key_gain: float = 0.3
     kl_weight: float = 1.0
     kl_weight_end: float | None = None
     native_gains: bool = True
@@ -149,12 +149,12 @@ class HealTrainer(QKMapTrainer):
     """``QKMapTrainer`` with the heal schedules applied before every step and distillation in the loss."""
 
     def __init__(self, *args, heal_options: HealOptions, teacher, resumed_from: str | None = None,
-                 registry: dict | None = None, **kwargs):  # fmt: skip
+                 registry: dict | None = None, extra_schedules: tuple = (), **kwargs):  # fmt: skip
         model = kwargs["model"]
         set_gain_parametrization(model, "inverse_frequency")
         self.heal_options = heal_options
         self.phase_schedule, self.switch_schedule, self.kl_schedule = heal_options.schedules()
-        self.schedules = [self.phase_schedule, self.switch_schedule]
+        self.schedules = [self.phase_schedule, self.switch_schedule, *extra_schedules]
         self.rows: list[dict[str, Any]] = []
         self.last_kl: float | None = None
         self._eval_kl = [0.0, 0]
@@ -276,8 +276,20 @@ def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_text(folder / HEAL_TABLE, buffer.getvalue())
 
 
-def heal(options: TrainOptions, heal_options: HealOptions, *, datasets=None, tokenizer=None, callbacks=None):
-    """Heal ``options.model`` (a converted QK-MAP folder) with ``qkmap train``'s machinery; returns its TrainResult."""
+def heal(
+    options: TrainOptions,
+    heal_options: HealOptions,
+    *,
+    datasets=None,
+    tokenizer=None,
+    callbacks=None,
+    extra_schedules: tuple = (),
+):
+    """Heal ``options.model`` (a converted QK-MAP folder) with ``qkmap train``'s machinery; returns its TrainResult.
+
+    ``extra_schedules``: more ``Schedule`` objects (``schedules.py``), applied after the phase and switch-on ones and
+    checkpointed alike (e.g. a QK-Norm annealing schedule).
+    """
     teacher = load_teacher(heal_options.teacher)
     registry: dict[str, HealTrainer] = {}
     result = train(
@@ -291,6 +303,7 @@ def heal(options: TrainOptions, heal_options: HealOptions, *, datasets=None, tok
             "teacher": teacher,
             "resumed_from": resume_checkpoint(options),
             "registry": registry,
+            "extra_schedules": extra_schedules,
         },
     )
     trainer = registry["trainer"]

@@ -1,6 +1,7 @@
 """Schedules that set model state from training progress: the moving parts of ``qkmap heal``.
 
-A schedule is a small object with ``apply(model, progress)`` (``progress`` = finished steps / ``max_steps``, in
+A schedule is a small object with ``prepare(model)`` (once, before training: remember start values, freeze what it
+owns), ``apply(model, progress)`` (``progress`` = finished steps / ``max_steps``, in
 [0, 1]) and ``state_dict()``/``load_state_dict()`` for what it measured (so a resumed run continues identically).
 ``apply`` is a pure function of the progress and that state: calling it at step ``t`` after a resume gives the
 model state an uninterrupted run had at step ``t``. New recipes (e.g. annealing a QK-Norm away, issue 11) add a
@@ -30,6 +31,8 @@ from ..phases import feature_map_layers
 
 class Schedule(Protocol):
     name: str
+
+    def prepare(self, model: nn.Module) -> None: ...
 
     def apply(self, model: nn.Module, progress: float) -> None: ...
 
