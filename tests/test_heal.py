@@ -211,3 +211,17 @@ def test_heal_runs_the_whole_schedule_resumes_identically_and_reloads_without_qk
     )
     assert not result["module"].startswith("qkmap_hf")
     assert result["perplexity"] == pytest.approx(last["perplexity"], rel=1e-4)
+
+
+def test_layerwise_progression_ramps_the_layers_one_after_another(folders):
+    model = _load(folders["conv"])
+    schedule = PhaseScaleSchedule(alpha=1.0, ramp=Ramp(0.0, 0.5), layerwise=True)
+    schedule.prepare(model)
+    schedule.calibrate(model, _blocks(folders, count=2), step=0)
+    schedule.apply(model, 0.25)  # two layers: the first has finished its slice, the second has not started
+    first, second = (a.qk_map.log_frequency for a in phases.feature_map_layers(model))
+    assert torch.allclose(first, schedule.target_log_frequency(0, first.shape))
+    assert torch.equal(second, schedule.start_log_frequency[1])
+    schedule.apply(model, 0.375)  # halfway through the second layer's slice
+    target = schedule.target_log_frequency(1, second.shape)
+    assert torch.allclose(second, (schedule.start_log_frequency[1] + target) / 2, atol=1e-6)
