@@ -34,10 +34,9 @@ import torch
 from torch import nn
 
 from .fileio import atomic_write_json
+from .phases import describe, phase_magnitudes, quantiles, regime_from_roles
 
 FORMAT = "qkmap-analysis/1"
-LINEAR_PHASE_P90 = 0.25  # sin(x) is within 1% of x below this phase: standard attention in disguise
-PERIODIC_PHASE_MEDIAN = 1.0
 
 
 @dataclass
@@ -159,24 +158,13 @@ def _quantiles(values: torch.Tensor) -> dict[str, float]:
 
 
 def _phase_stats(layer: _Layer, z: torch.Tensor) -> dict[str, float]:
-    """``|omega * z|`` over tokens, heads, frequencies and channels; query heads use their key head's omega."""
-    frequency = layer.feature_map.frequency().detach().float()  # (kv_heads, F, m or 1)
-    kv_heads = frequency.shape[0]
-    m = getattr(layer.attention, "projection_dim", None) or z.shape[-1] // kv_heads
-    heads = z.shape[-1] // m
-    z = z.float().reshape(*z.shape[:-1], kv_heads, heads // kv_heads, 1, m)
-    phase = (z * frequency.reshape(kv_heads, 1, frequency.shape[1], -1)).abs()
-    return _quantiles(phase)
+    """``|omega * z|`` over tokens, heads, frequencies and channels (``qkmap_hf.phases``, the one definition)."""
+    m = getattr(layer.attention, "projection_dim", None) or z.shape[-1] // layer.feature_map.frequency().shape[0]
+    return quantiles(phase_magnitudes(z, layer.feature_map.frequency(), m))
 
 
-def _regime(phases: list[dict]) -> str:
-    p90 = max(max(p["query"]["p90"], p["key"]["p90"]) for p in phases)
-    median = max(max(p["query"]["median"], p["key"]["median"]) for p in phases)
-    if p90 < LINEAR_PHASE_P90:
-        return "linear (phases small: the layer computes standard attention)"
-    if median >= PERIODIC_PHASE_MEDIAN:
-        return "periodic (phases of order 1 or more: magnitude encoded as phase)"
-    return "transitional (some phases beyond the linear range)"
+def _regime(layer_phases: list[dict]) -> str:
+    return describe(regime_from_roles(layer_phases))
 
 
 def _windows(tokenizer, text: str, settings: AnalysisSettings) -> tuple[torch.Tensor, bool]:

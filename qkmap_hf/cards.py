@@ -23,10 +23,15 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .fileio import atomic_write_text
+from .phases import describe, regime_from_roles
 from .version import __version__
 
 TEMPLATE_NAME = "qkmap_model_card.md"
-PROVENANCE_FILES = {"conversion": "qkmap_conversion.json", "training": "qkmap_training.json"}
+PROVENANCE_FILES = {
+    "conversion": "qkmap_conversion.json",
+    "training": "qkmap_training.json",
+    "healing": "qkmap_healing.json",
+}
 ANALYSIS_SUBDIR = "analysis"
 BASE_TAGS = ["qk-map", "qkmap", "custom_code", "text-generation"]
 DEFAULT_LICENSE = "apache-2.0"
@@ -272,7 +277,7 @@ def _phase_rows(model_entry: dict | None) -> tuple[list[dict[str, str]], str | N
         }
         for layer in phase["layers"]
     ]
-    return rows, phase.get("regime")
+    return rows, describe(regime_from_roles(phase["layers"]))  # re-derived: one definition (qkmap_hf.phases)
 
 
 # --------------------------------------------------------------------------------------------------

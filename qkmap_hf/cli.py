@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "convert": "qkmap_hf.commands.convert",
     "verify": "qkmap_hf.commands.verify",
     "train": "qkmap_hf.commands.train",
+    "heal": "qkmap_hf.commands.heal",
     "compare": "qkmap_hf.commands.compare",
     "eval": "qkmap_hf.commands.eval",
     "analyze": "qkmap_hf.commands.analyze",

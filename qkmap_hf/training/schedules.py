@@ -1,0 +1,232 @@
+"""Schedules that set model state from training progress: the moving parts of ``qkmap heal``.
+
+A schedule is a small object with ``prepare(model)`` (once, before training: remember start values, freeze what it
+owns), ``apply(model, progress)`` (``progress`` = finished steps / ``max_steps``, in
+[0, 1]) and ``state_dict()``/``load_state_dict()`` for what it measured (so a resumed run continues identically).
+``apply`` is a pure function of the progress and that state: calling it at step ``t`` after a resume gives the
+model state an uninterrupted run had at step ``t``. New recipes (e.g. annealing a QK-Norm away, issue 11) add a
+class with the same three methods.
+
+- ``Ramp``: progress -> strength in [0, 1] over a window of the run (linear or cosine shape).
+- ``PhaseScaleSchedule``: frequencies ``omega`` from their converted value to ``alpha / p90|z_c|`` per key head and
+  channel, log-linearly; ``calibrate`` measures ``p90|z_c|`` on fixed blocks (again every few steps to hold the
+  phases where the schedule puts them, since shrinking ``W_q``/``W_k`` would otherwise bring them back to linear).
+- ``GainSwitchOnSchedule``: breaks the zero-gain saddle of an exact conversion: the key gains of rows whose query
+  and key gains are both 0 (cos rows, blocks f >= 1) ramp to a small value; the logits do not change (the query
+  gain is still 0) but the query gains now receive gradient.
+- ``ValueSchedule``: a scalar such as the distillation weight lambda.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..phases import feature_map_layers
+
+
+class Schedule(Protocol):
+    name: str
+
+    def prepare(self, model: nn.Module) -> None: ...
+
+    def apply(self, model: nn.Module, progress: float) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Ramp:
+    """Strength 0 before ``start``, 1 after ``end`` (fractions of the run), linear or cosine in between."""
+
+    start: float = 0.0
+    end: float = 0.5
+    shape: str = "linear"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.start <= self.end <= 1.0:
+            raise ValueError(
+                f"ramp start={self.start}, end={self.end}: need 0 <= start <= end <= 1 (fractions of the run)."
+            )
+        if self.shape not in ("linear", "cosine"):
+            raise ValueError(f"ramp shape {self.shape!r}: choose linear or cosine.")
+
+    def __call__(self, progress: float) -> float:
+        if progress >= self.end:
+            return 1.0
+        if progress <= self.start:
+            return 0.0
+        t = (progress - self.start) / (self.end - self.start)
+        return t if self.shape == "linear" else 0.5 - 0.5 * math.cos(math.pi * t)
+
+    def layer(self, index: int, count: int) -> Ramp:
+        """The ramp of layer ``index`` of ``count`` under layer-by-layer progression: its slice of the window."""
+        width = (self.end - self.start) / count
+        return Ramp(self.start + index * width, self.start + (index + 1) * width, self.shape)
+
+
+@dataclass
+class ValueSchedule:
+    """A scalar from ``start`` to ``end`` over ``ramp`` (e.g. the distillation weight)."""
+
+    start: float
+    end: float
+    ramp: Ramp = Ramp(0.0, 1.0)
+    name: str = "value"
+
+    def value(self, progress: float) -> float:
+        return self.start + (self.end - self.start) * self.ramp(progress)
+
+
+def _layer_ramps(ramp: Ramp, count: int, layerwise: bool) -> list[Ramp]:
+    return [ramp.layer(i, count) if layerwise else ramp for i in range(count)]
+
+
+@torch.no_grad()
+def channel_p90(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
+    """Per QK-MAP layer, ``p90 |z|`` per key head and channel ``(kv_heads, m)``, pooling the query heads of the group
+    and the key head, over ``blocks`` (``(n, block)`` token ids). Shared-frequency layers pool channels later."""
+    layers = feature_map_layers(model)
+    values: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = []
+    for index, attention in enumerate(layers):
+        kv_heads, m = attention.qk_map.log_frequency.shape[0], attention.projection_dim
+
+        def grab(_module, _inputs, output, index=index, kv_heads=kv_heads, m=m):
+            z = output.detach().float().reshape(-1, output.shape[-1] // m, m)  # (tokens, heads, m)
+            z = z.view(z.shape[0], kv_heads, -1, m).transpose(1, 2).reshape(-1, kv_heads, m)
+            values[index].append(z.abs())
+
+        handles += [attention.q_proj.register_forward_hook(grab), attention.k_proj.register_forward_hook(grab)]
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        for start in range(0, len(blocks), batch_size):
+            model(input_ids=blocks[start : start + batch_size].to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return [torch.quantile(torch.cat(chunks), 0.9, dim=0).cpu() for chunks in values]
+
+
+class PhaseScaleSchedule:
+    """``log omega`` from its start value to ``log(alpha * spread**f / p90|z_c|)`` over ``ramp``; frequencies frozen.
+
+    Args:
+        alpha: target p90 phase of each channel (rad) in block 0; block ``f`` gets ``alpha * block_spread**f``.
+        ramp: when the phases grow; ``layerwise`` gives each layer its own slice of the window, first to last.
+        recalibrate_every: re-measure ``p90|z_c|`` every this many steps on the calibration blocks (0: never), so
+            the phases stay at ``alpha`` even if the projections shrink.
+    """
+
+    name = "phase_scale"
+
+    def __init__(self, alpha: float = 1.0, ramp: Ramp = Ramp(0.0, 0.5), *, layerwise: bool = False,
+                 block_spread: float = 2.0, recalibrate_every: int = 0):  # fmt: skip
+        if alpha <= 0 or block_spread <= 0:
+            raise ValueError(f"phase schedule: alpha={alpha} and block_spread={block_spread} must be positive.")
+        self.alpha, self.ramp, self.layerwise = alpha, ramp, layerwise
+        self.block_spread, self.recalibrate_every = block_spread, recalibrate_every
+        self.start_log_frequency: list[torch.Tensor] = []
+        self.p90: list[torch.Tensor] = []
+        self.calibrated_at = -1
+
+    def prepare(self, model: nn.Module) -> None:
+        """Remember the starting frequencies (on a fresh run) and freeze them: the schedule owns them."""
+        layers = feature_map_layers(model)
+        if not layers:
+            raise ValueError(
+                "the phase schedule needs a QK-MAP model (qk_mode='qk_map'); convert the checkpoint first."
+            )
+        if not self.start_log_frequency:
+            self.start_log_frequency = [a.qk_map.log_frequency.detach().float().cpu().clone() for a in layers]
+        for attention in layers:
+            attention.qk_map.log_frequency.requires_grad_(False)
+
+    def calibrate(self, model: nn.Module, blocks: torch.Tensor, step: int) -> None:
+        self.p90 = [p.clamp_min(1e-6) for p in channel_p90(model, blocks)]
+        self.calibrated_at = step
+
+    def due(self, step: int) -> bool:
+        return not self.p90 or (self.recalibrate_every > 0 and step - self.calibrated_at >= self.recalibrate_every)
+
+    def target_log_frequency(self, index: int, shape: torch.Size) -> torch.Tensor:
+        kv_heads, num_freq, width = shape
+        p90 = self.p90[index]  # (kv_heads, m)
+        if width == 1:  # one frequency per head and block: pool the channels
+            p90 = p90.median(dim=-1, keepdim=True).values
+        spread = torch.tensor([self.block_spread**f for f in range(num_freq)]).view(1, num_freq, 1)
+        return (self.alpha * spread / p90.view(kv_heads, 1, width)).log()
+
+    @torch.no_grad()
+    def apply(self, model: nn.Module, progress: float) -> None:
+        layers = feature_map_layers(model)
+        for index, (attention, ramp) in enumerate(
+            zip(layers, _layer_ramps(self.ramp, len(layers), self.layerwise), strict=True)
+        ):
+            parameter = attention.qk_map.log_frequency
+            start = self.start_log_frequency[index]
+            strength = ramp(progress)
+            if strength == 0.0:
+                value = start
+            else:
+                value = start + strength * (self.target_log_frequency(index, parameter.shape) - start)
+            parameter.copy_(value.to(parameter.device, parameter.dtype))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start_log_frequency": self.start_log_frequency, "p90": self.p90, "calibrated_at": self.calibrated_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start_log_frequency = list(state["start_log_frequency"])
+        self.p90 = list(state["p90"])
+        self.calibrated_at = int(state["calibrated_at"])
+
+
+class GainSwitchOnSchedule:
+    """Key gains of dead rows (query and key gain both exactly 0 at the start) ramp to ``key_gain`` over ``ramp``.
+
+    ``key_gain`` is in stored units (under inverse-frequency gains the converted sine gain is 1). After the ramp the
+    optimizer owns these gains; before it they stay exactly 0 and receive exactly zero gradient.
+    """
+
+    name = "gain_switch_on"
+
+    def __init__(self, key_gain: float = 0.1, ramp: Ramp = Ramp(0.4, 0.6), *, layerwise: bool = False):
+        self.key_gain, self.ramp, self.layerwise = key_gain, ramp, layerwise
+        self.dead_rows: list[torch.Tensor] = []
+
+    def prepare(self, model: nn.Module) -> None:
+        """On a fresh run, find the dead rows ``(kv_heads, 2F)`` of every layer."""
+        if not self.dead_rows:
+            self.dead_rows = [
+                ((a.qk_map.query_gain == 0).all(-1) & (a.qk_map.key_gain == 0).all(-1)).cpu()
+                for a in feature_map_layers(model)
+            ]
+
+    @torch.no_grad()
+    def apply(self, model: nn.Module, progress: float) -> None:
+        layers = feature_map_layers(model)
+        for attention, rows, ramp in zip(
+            layers, self.dead_rows, _layer_ramps(self.ramp, len(layers), self.layerwise), strict=True
+        ):
+            if not rows.any() or progress > ramp.end:
+                continue  # after the ramp the optimizer owns the gains
+            gain = attention.qk_map.key_gain
+            gain[rows.to(gain.device)] = self.key_gain * ramp(progress)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dead_rows": self.dead_rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dead_rows = list(state["dead_rows"])
+
+
+__all__ = ["GainSwitchOnSchedule", "PhaseScaleSchedule", "Ramp", "Schedule", "ValueSchedule", "channel_p90"]
