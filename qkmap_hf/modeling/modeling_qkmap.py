@@ -64,6 +64,7 @@ def qkmap_features(
     gain: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    rotate_cos_blocks: bool = True,
 ) -> torch.Tensor:
     """Map projected queries or keys to RoPE-rotated periodic features, ``phi`` of docs/method.md.
 
@@ -72,6 +73,7 @@ def qkmap_features(
         frequency: ``(kv_heads, F, m)`` or ``(kv_heads, F, 1)`` positive float32 frequencies ``omega``.
         gain: ``(kv_heads, 2F, m)`` float32 effective gains, rows ordered ``cos_0, sin_0, cos_1, ...``.
         cos, sin: ``(batch or 1, seq, m)`` RoPE tables for dimension ``m``.
+        rotate_cos_blocks: ``False`` leaves the cos blocks unrotated (the no-prior ablation, docs/method.md).
 
     Returns ``(batch, heads, seq, 2F*m)`` in ``z.dtype``. Phases, cos/sin and the rotation run in float32
     (a bf16 phase of magnitude 100 is off by 0.5 rad); one broadcasted expression, no loop over blocks.
@@ -86,7 +88,8 @@ def qkmap_features(
     # Block-wise RoPE: every block of m channels rotates like a Llama head of dimension m.
     cos = cos.float().view(cos.shape[0], 1, 1, seq, 1, 1, m)
     sin = sin.float().view(sin.shape[0], 1, 1, seq, 1, 1, m)
-    features = features * cos + rotate_half(features) * sin
+    rotated = features * cos + rotate_half(features) * sin
+    features = rotated if rotate_cos_blocks else torch.cat((features[..., :1, :], rotated[..., 1:, :]), dim=-2)
     return features.reshape(batch, heads, seq, 2 * num_freq * m).to(z.dtype)
 
 
@@ -141,9 +144,10 @@ class QKMapFeatureMap(nn.Module):
         self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         frequency = self.frequency()
+        rotate = self.config.qkmap_rotate_cos_blocks
         return (
-            qkmap_features(query, frequency, self.effective_gain(self.query_gain, frequency), cos, sin),
-            qkmap_features(key, frequency, self.effective_gain(self.key_gain, frequency), cos, sin),
+            qkmap_features(query, frequency, self.effective_gain(self.query_gain, frequency), cos, sin, rotate),
+            qkmap_features(key, frequency, self.effective_gain(self.key_gain, frequency), cos, sin, rotate),
         )
 
     @torch.no_grad()
@@ -172,6 +176,37 @@ class QKMapFeatureMap(nn.Module):
         )
 
 
+class QKPositionPrior(nn.Module):
+    """Learnable constant query and key blocks per head, rotated by RoPE (``qk_position_prior="constant"``).
+
+    The ablation that isolates QK-MAP's cos block at ``z = 0``: appended to the queries and keys of
+    ``standard``/``qk_norm`` it adds ``scale * RoPE(c_q) . RoPE(c_k)``, a logit that depends on the relative
+    position only. Initialised to ones like QK-MAP's unit gains (``cos(0) = 1``); zeros give back the base mode.
+    """
+
+    def __init__(self, config: QKMapConfig):
+        super().__init__()
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.query_prior = nn.Parameter(torch.ones(config.num_attention_heads, config.head_dim))
+        self.key_prior = nn.Parameter(torch.ones(config.num_key_value_heads, config.head_dim))
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the rotated constant blocks to RoPE-rotated ``(batch, heads, seq, head_dim)`` queries and keys."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (batch or 1, 1, seq, head_dim)
+
+        def rotated(prior: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            prior = prior.to(like.dtype)[None, :, None, :]
+            block = prior * cos.to(like.dtype) + rotate_half(prior) * sin.to(like.dtype)
+            return block.expand(like.shape[0], -1, -1, -1)
+
+        return (
+            torch.cat((query, rotated(self.query_prior, query)), dim=-1),
+            torch.cat((key, rotated(self.key_prior, key)), dim=-1),
+        )
+
+
 class QKMapAttention(nn.Module):
     """Llama attention whose queries and keys follow ``config.qk_mode``; values and output are Llama's."""
 
@@ -190,6 +225,7 @@ class QKMapAttention(nn.Module):
             self.scaling = config.qkmap_logit_scale or config.qkmap_feature_dim_per_block**-0.5
         else:
             self.scaling = self.head_dim**-0.5
+        self.scaling = self.scaling * config.logit_scale_multiplier  # 1.0 leaves Llama's float unchanged
 
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.projection_dim, bias=bias)
@@ -201,6 +237,8 @@ class QKMapAttention(nn.Module):
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         elif self.qk_mode == "qk_map":
             self.qk_map = QKMapFeatureMap(config)
+        if config.qk_position_prior == "constant":
+            self.position_prior = QKPositionPrior(config)
 
     def forward(
         self,
@@ -225,6 +263,8 @@ class QKMapAttention(nn.Module):
             query_states, key_states = self.qk_map(query_states, key_states, cos, sin)
         else:
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+            if self.config.qk_position_prior == "constant":
+                query_states, key_states = self.position_prior(query_states, key_states, cos, sin)
 
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
@@ -325,6 +365,9 @@ class QKMapPreTrainedModel(PreTrainedModel):
         if isinstance(module, QKMapFeatureMap):
             for name, value in module.initial_values().items():
                 init.copy_(getattr(module, name), value)
+        elif isinstance(module, QKPositionPrior):
+            init.ones_(module.query_prior)
+            init.ones_(module.key_prior)
 
 
 def rope_config_for_width(config: QKMapConfig, width: int) -> QKMapConfig:
@@ -460,5 +503,6 @@ __all__ = [
     "QKMapForSequenceClassification",
     "QKMapModel",
     "QKMapPreTrainedModel",
+    "QKPositionPrior",
     "qkmap_features",
 ]
