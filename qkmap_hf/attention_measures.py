@@ -68,31 +68,46 @@ def attention_distance(weights: torch.Tensor) -> AttentionDistance:
     return AttentionDistance(per_head.tolist(), float(per_head.mean()), edges, masses)
 
 
-def position_only_share(weights: torch.Tensor) -> PerHead:
+def position_only_share(weights: torch.Tensor, iterations: int = 100, tolerance: float = 1e-6) -> PerHead:
     """Share of the within-row logit variance that relative position ``t - s`` explains, per head.
 
-    Logits are recovered as log-weights up to a per-row constant, centered within each query row over its
-    causal keys; the position-only part is the mean centered logit at each distance (pooled over rows and the
-    batch). 1 means the logit is a function of ``t - s`` alone, 0 that position explains nothing. Weights that
-    underflowed to 0 are clamped to the smallest normal float (such keys carry no attention either way).
+    Logits are recovered as log-weights up to a per-row constant (which cannot change attention). The model
+    ``logit[t, s] = a[t] + f(t - s) + residual`` is fitted by least squares (alternating row and distance means,
+    pooled over the batch, until ``f`` moves less than ``tolerance``); the share is the fraction of the within-row variance ``f`` removes, adjusted for the
+    number of distances fitted (adjusted R^2, so logits unrelated to position measure about 0, not ``K/N``).
+    1 means the logit is a function of ``t - s`` alone. Weights that underflowed to 0 are clamped to the smallest
+    normal float (such keys carry no attention either way).
     """
     _check(weights)
     batch, heads, length, _ = weights.shape
     causal = torch.ones(length, length, dtype=torch.bool, device=weights.device).tril()
     causal[0] = False  # query 0 has one key: nothing to explain
-    log_weights = weights.double().clamp_min(torch.finfo(torch.float32).tiny).log()
-    counts = causal.sum(-1).clamp_min(1)
-    row_mean = (log_weights * causal).sum(-1, keepdim=True) / counts[:, None]
-    centered = ((log_weights - row_mean) * causal).reshape(batch, heads, -1)
-    distance = _distances(length, weights.device).reshape(-1)
-    sums = torch.zeros(batch, heads, length, dtype=torch.float64, device=weights.device)
-    sums.index_add_(2, distance, centered)
-    sums = sums.sum(0)  # (heads, distances)
+    mask = causal.double()
+    counts = mask.sum(-1).clamp_min(1)  # keys per row
+    logits = weights.double().clamp_min(torch.finfo(torch.float32).tiny).log() * mask
+    distance = _distances(length, weights.device)
     per_distance = torch.zeros(length, dtype=torch.float64, device=weights.device)
-    per_distance.index_add_(0, distance, causal.reshape(-1).double())
-    explained = (sums.pow(2) / (batch * per_distance).clamp_min(1)).sum(-1)
-    total = centered.pow(2).sum(dim=(0, 2))
-    share = torch.where(total > 0, explained / total.clamp_min(1e-300), torch.zeros_like(total))
+    per_distance.index_add_(0, distance.reshape(-1), mask.reshape(-1))
+    per_distance = per_distance * batch
+
+    def row_centered(values: torch.Tensor) -> torch.Tensor:
+        return (values - (values * mask).sum(-1, keepdim=True) / counts[:, None]) * mask
+
+    centered = row_centered(logits)
+    effect = torch.zeros(heads, length, dtype=torch.float64, device=weights.device)  # f per head and distance
+    for _ in range(iterations):
+        residual = row_centered(logits - effect[:, distance])  # the best row constants for this f
+        sums = torch.zeros(batch, heads, length, dtype=torch.float64, device=weights.device)
+        sums.index_add_(2, distance.reshape(-1), (residual * mask).reshape(batch, heads, -1))
+        update = sums.sum(0) / per_distance.clamp_min(1)
+        effect = effect + update
+        if float(update.abs().max()) < tolerance:
+            break
+    residual = row_centered(logits - effect[:, distance])
+    entries, rows, distances = float(per_distance.sum()), batch * (length - 1), length - 1
+    within = centered.pow(2).sum(dim=(0, 2, 3)) / max(1.0, entries - rows)
+    unexplained = residual.pow(2).sum(dim=(0, 2, 3)) / max(1.0, entries - rows - distances)
+    share = torch.where(within > 0, 1 - unexplained / within.clamp_min(1e-300), torch.zeros_like(within))
     return PerHead(share.tolist(), float(share.mean()))
 
 
