@@ -134,13 +134,23 @@ def _prompt_ids(tokenizer, example, max_positions: int | None) -> tuple[list[int
     return ids, kinds
 
 
+def _keep_answer_row(layer, index: int, rows: list) -> Callable:
+    """Hook: keep the attention row of the last position (the answer position), ``(heads, keys)``."""
+    from .analysis import _weights
+
+    def hook(_module, _inputs, output) -> None:
+        rows[index] = _weights(output, layer)[0, :, -1]
+
+    return hook
+
+
 @torch.no_grad()
 def answer_value_contrast(
     model, layers: Sequence, tokenizer, lengths: Sequence[int], examples: int, seed: int,
     max_positions: int | None, progress: Callable[[int], Any],
 ) -> dict[str, Any]:  # fmt: skip
     """Log2 lift of the needle's value tokens over distractor tokens, from the answer position, per length."""
-    from .analysis import _forward, _weights
+    from .analysis import _forward
     from .tasks.needle import make_needle_examples
 
     def count(text: str) -> int:
@@ -161,16 +171,7 @@ def answer_value_contrast(
             distractor = torch.tensor([k == "distractor" for k in kinds])
             distractor[0] = False  # the sink (analysis 2) must not dilute the reference
             rows: list[torch.Tensor | None] = [None] * len(layers)
-
-            def keep_last(_m, _i, output, index: int, layer) -> None:
-                rows[index] = _weights(output, layer)[0, :, -1]  # (heads, keys) of the answer position
-
-            handles = [
-                layer.attention.register_forward_hook(
-                    lambda m, i, o, index=n, layer=layer: keep_last(m, i, o, index, layer)
-                )
-                for n, layer in enumerate(layers)
-            ]
+            handles = [layer.attention.register_forward_hook(_keep_answer_row(layer, n, rows)) for n, layer in enumerate(layers)]
             try:
                 _forward(model, torch.tensor([ids], device=next(model.parameters()).device))
             finally:

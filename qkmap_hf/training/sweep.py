@@ -188,6 +188,11 @@ def _final(rows: list[dict], steps: int) -> dict[tuple[str, str, str, int], floa
     }
 
 
+def _rank(loss: float) -> float:
+    """A diverged run (NaN loss) ranks last."""
+    return math.inf if math.isnan(loss) else loss
+
+
 def run_sweep(sweep: SweepOptions) -> dict:
     """Tune every arm, rerun each choice on the report seeds, write the outputs; returns ``summary.json``'s data."""
     options = sweep.compare
@@ -239,7 +244,7 @@ def run_sweep(sweep: SweepOptions) -> dict:
             for p in points
             if len(points) > 1
         }
-        choices[variant.label] = points[0] if len(points) == 1 else min(points, key=lambda p: means[setting_id(p)])
+        choices[variant.label] = points[0] if len(points) == 1 else min(points, key=lambda p: _rank(means[setting_id(p)]))
     for seed in sweep.report_seeds:  # 2. report: each arm's choice on fresh seeds and the report split
         for variant in options.variants:
             point = choices[variant.label]
