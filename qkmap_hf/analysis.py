@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import attention_probes as probes
 from .fileio import atomic_write_json
 from .phases import describe, phase_magnitudes, quantiles, regime_from_roles
 
@@ -380,12 +381,13 @@ def analyze_model(
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     config = getattr(model, "config", None)
-    total = 1 + len(layers) * len(settings.scales) + len(settings.context_lengths) * settings.needle_examples
+    total = 1 + len(layers) * (len(settings.scales) + 1) + 2 * len(settings.context_lengths) * settings.needle_examples
     bar = tqdm(total=total, desc=f"analyze {label}", disable=not progress, unit="pass")
     try:
         has_map = any(layer.feature_map is not None for layer in layers)
         baseline, projections = _capture_all(model, layers, input_ids, with_phase=has_map)
         bar.update(1)
+        key_scale = probes.key_scale_sensitivity(layers, baseline, bar.update)  # before scale_sensitivity pops inputs
         result: dict[str, Any] = {
             "label": label,
             "model_class": type(model).__name__,
@@ -396,6 +398,8 @@ def analyze_model(
             "scale_sensitivity": scale_sensitivity(layers, baseline, settings.scales, bar.update),
             "first_token_mass": first_token_mass(baseline, first_is_bos),
             "phase": None,
+            **probes.pattern_measures(baseline),
+            "key_scale_sensitivity": key_scale,
         }
         if has_map:
             phases = [
@@ -411,6 +415,10 @@ def analyze_model(
         del baseline
         max_positions = getattr(config, "max_position_embeddings", None)
         result["evidence_contrast"] = evidence_contrast(model, layers, tokenizer, settings, max_positions, bar.update)
+        result["answer_contrast"] = probes.answer_value_contrast(
+            model, layers, tokenizer, settings.context_lengths, settings.needle_examples, settings.seed, max_positions,
+            bar.update,
+        )
     finally:
         bar.close()
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 HELP = "Train standard, qk_norm and qk_map models on equal terms over seeds; write a loss CSV, plots and a summary."
 
@@ -39,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-fraction", type=float, default=0.05)
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--tune", action="append", metavar="NAME=V1,V2,...",
+                        help="tuning grid (repeatable; the cross product is run for every arm), e.g. learning_rate=1e-3,2e-3 "
+                        "logit_scale_multiplier=1,4 qk_lr_multiplier=1,10; each arm's choice on the tuning split and "
+                        "tuning seeds is rerun on --seeds fresh seeds and reported on a disjoint split")
+    parser.add_argument("--tuning-seeds", type=int, default=1, help="seeds per grid point in tuning (default 1)")
+    parser.add_argument("--tuning-first-seed", type=int, default=1000, help="first tuning seed (default 1000)")
+    parser.add_argument("--save-models", action="store_true", help="keep each report run as a checkpoint in OUT/models")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +83,16 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.variant:
         options.variants = [parse_variant(text) for text in args.variant]
+    if args.tune or args.save_models:
+        from ..training.sweep import SweepOptions, parse_tune, run_sweep
+
+        options.qk_norm_in_qk_group = True
+        tuning_seeds = list(range(args.tuning_first_seed, args.tuning_first_seed + args.tuning_seeds))
+        sweep = SweepOptions(options, parse_tune(args.tune or []), tuning_seeds, save_models=args.save_models)
+        run_sweep(sweep)
+        print((Path(args.output_dir) / "summary.md").read_text())
+        print(f"wrote {args.output_dir}/summary.json, summary.md, sweep_losses.csv, validation_loss.png")
+        return 0
     result = run_comparison(options)
     print(result.summary_path.read_text())
     print(f"wrote {result.csv_path}, {', '.join(str(p) for p in result.plot_paths)}")

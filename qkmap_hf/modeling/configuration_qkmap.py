@@ -17,6 +17,7 @@ QKMAP_GAIN_PARAMETRIZATIONS = ("absolute", "inverse_frequency")
 QKMAP_INITS = ("native", "exact")
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it the weights underflow to 0 (or 1/x to inf)
+QK_POSITION_PRIORS = ("none", "constant")
 AUTO_MAP = {
     "AutoConfig": "configuration_qkmap.QKMapConfig",
     "AutoModel": "modeling_qkmap.QKMapModel",
@@ -55,6 +56,17 @@ class QKMapConfig(LlamaConfig):
       feature map, ``phi(RMSNorm(z))``: how a QK-Norm source (Qwen3) converts exactly.
     - ``qkmap_input_norm_power`` (``beta`` in [0, 1]): the norm divides by ``rms(z)^beta * r^(1 - beta)``
       (``r`` a per-head reference scale): 1 is the full norm, 0 a fixed scale that folds into the projection.
+    - ``qkmap_rotate_cos_blocks``: RoPE-rotate the cos blocks (the default). ``False`` leaves them unrotated: their
+      near-constant part then adds the same amount to every logit of a query (softmax-invariant), so the
+      relative-position prior of the rotated constant block is removed (the "no prior" ablation).
+
+    Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
+
+    - ``logit_scale_multiplier``: multiplies the mode's default logit scale (``1/sqrt(head_dim)``, or
+      ``qkmap_logit_scale``/``1/sqrt(m)``), so every mode has a temperature knob; 1 keeps Llama bit for bit.
+    - ``qk_position_prior`` (``standard``/``qk_norm`` only): ``"constant"`` appends to every query and key head one
+      learnable constant block of width ``head_dim`` rotated by RoPE: QK-MAP's cos block at ``z = 0``, a pure
+      relative-position logit. ``"none"`` (default) is the plain mode.
     """
 
     model_type = "qkmap"
@@ -73,6 +85,9 @@ class QKMapConfig(LlamaConfig):
     qkmap_exact_frequency: float = 1e-3
     qkmap_input_norm: bool = False
     qkmap_input_norm_power: float = 1.0
+    qkmap_rotate_cos_blocks: bool = True
+    logit_scale_multiplier: float = 1.0
+    qk_position_prior: str = "none"
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -159,6 +174,25 @@ class QKMapConfig(LlamaConfig):
             )
         if self.qkmap_logit_scale is not None:
             positive("qkmap_logit_scale", self.qkmap_logit_scale, float)
+        self.validate_ablations(positive)
+
+    def validate_ablations(self, positive) -> None:
+        """The ablation and tuning fields (``logit_scale_multiplier``, ``qk_position_prior``, cos-block rotation)."""
+        positive("logit_scale_multiplier", self.logit_scale_multiplier, float)
+        if self.qk_position_prior not in QK_POSITION_PRIORS:
+            raise ValueError(
+                f"QKMapConfig.qk_position_prior={self.qk_position_prior!r} is invalid; allowed values: "
+                f"{', '.join(QK_POSITION_PRIORS)}."
+            )
+        if self.qk_position_prior != "none" and self.qk_mode == "qk_map":
+            raise ValueError(
+                f"QKMapConfig.qk_position_prior={self.qk_position_prior!r} applies to qk_mode standard or qk_norm; "
+                "qk_map carries its prior in the rotated cos blocks (set qkmap_rotate_cos_blocks=False to remove it)."
+            )
+        if not isinstance(self.qkmap_rotate_cos_blocks, bool):
+            raise ValueError(
+                f"QKMapConfig.qkmap_rotate_cos_blocks={self.qkmap_rotate_cos_blocks!r} is invalid; use true or false."
+            )
 
     def validate_qkmap_input_norm(self) -> None:
         """The input norm exists in the qk_map mode only, with a power in [0, 1]."""
@@ -186,7 +220,7 @@ class QKMapConfig(LlamaConfig):
         """Width of the queries and keys that reach the attention kernel (and the key cache)."""
         if self.qk_mode == "qk_map":
             return 2 * self.qkmap_num_frequencies * self.qkmap_feature_dim_per_block
-        return self.head_dim
+        return 2 * self.head_dim if self.qk_position_prior == "constant" else self.head_dim
 
     @property
     def projection_dim(self) -> int:
@@ -194,4 +228,4 @@ class QKMapConfig(LlamaConfig):
         return self.qkmap_feature_dim_per_block if self.qk_mode == "qk_map" else self.head_dim
 
 
-__all__ = ["QKMapConfig", "QK_MODES"]
+__all__ = ["QKMapConfig", "QK_MODES", "QK_POSITION_PRIORS"]

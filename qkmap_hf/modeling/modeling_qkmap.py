@@ -109,9 +109,10 @@ class QKMapFeatureMap(nn.Module):
         self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         frequency = self.frequency()
+        rotate = self.config.qkmap_rotate_cos_blocks
         return (
-            qkmap_features(query, frequency, self.effective_gain(self.query_gain, frequency), cos, sin),
-            qkmap_features(key, frequency, self.effective_gain(self.key_gain, frequency), cos, sin),
+            qkmap_features(query, frequency, self.effective_gain(self.query_gain, frequency), cos, sin, rotate),
+            qkmap_features(key, frequency, self.effective_gain(self.key_gain, frequency), cos, sin, rotate),
         )
 
     @torch.no_grad()
@@ -164,6 +165,35 @@ class QKMapInputRMSNorm(LlamaRMSNorm):
         reference = self.reference_scale.float().unsqueeze(-1)  # (heads, 1) against (..., heads, dim)
         scale = (variance + self.variance_epsilon).pow(-power / 2) * reference.pow(power - 1)
         return self.weight * (hidden_states * scale).to(input_dtype)
+class QKPositionPrior(nn.Module):
+    """Learnable constant query and key blocks per head, rotated by RoPE (``qk_position_prior="constant"``).
+
+    The ablation that isolates QK-MAP's cos block at ``z = 0``: appended to the queries and keys of
+    ``standard``/``qk_norm`` it adds ``scale * RoPE(c_q) . RoPE(c_k)``, a logit that depends on the relative
+    position only. Initialised to ones like QK-MAP's unit gains (``cos(0) = 1``); zeros give back the base mode.
+    """
+
+    def __init__(self, config: QKMapConfig):
+        super().__init__()
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.query_prior = nn.Parameter(torch.ones(config.num_attention_heads, config.head_dim))
+        self.key_prior = nn.Parameter(torch.ones(config.num_key_value_heads, config.head_dim))
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the rotated constant blocks to RoPE-rotated ``(batch, heads, seq, head_dim)`` queries and keys."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (batch or 1, 1, seq, head_dim)
+
+        def rotated(prior: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            prior = prior.to(like.dtype)[None, :, None, :]
+            block = prior * cos.to(like.dtype) + rotate_half(prior) * sin.to(like.dtype)
+            return block.expand(like.shape[0], -1, -1, -1)
+
+        return (
+            torch.cat((query, rotated(self.query_prior, query)), dim=-1),
+            torch.cat((key, rotated(self.key_prior, key)), dim=-1),
+        )
 
 
 class QKMapAttention(nn.Module):
@@ -184,6 +214,7 @@ class QKMapAttention(nn.Module):
             self.scaling = config.qkmap_logit_scale or config.qkmap_feature_dim_per_block**-0.5
         else:
             self.scaling = self.head_dim**-0.5
+        self.scaling = self.scaling * config.logit_scale_multiplier  # 1.0 leaves Llama's float unchanged
 
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.projection_dim, bias=bias)
@@ -198,6 +229,8 @@ class QKMapAttention(nn.Module):
             if config.qkmap_input_norm:
                 self.q_norm = QKMapInputRMSNorm(config, config.num_attention_heads)
                 self.k_norm = QKMapInputRMSNorm(config, config.num_key_value_heads)
+        if config.qk_position_prior == "constant":
+            self.position_prior = QKPositionPrior(config)
 
     def forward(
         self,
@@ -222,6 +255,8 @@ class QKMapAttention(nn.Module):
             query_states, key_states = self.qk_map(query_states, key_states, cos, sin)
         else:
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+            if self.config.qk_position_prior == "constant":
+                query_states, key_states = self.position_prior(query_states, key_states, cos, sin)
 
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
@@ -324,6 +359,9 @@ class QKMapPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, name), value)
         if isinstance(module, QKMapInputRMSNorm):
             init.ones_(module.reference_scale)
+        elif isinstance(module, QKPositionPrior):
+            init.ones_(module.query_prior)
+            init.ones_(module.key_prior)
 
 
 def rope_config_for_width(config: QKMapConfig, width: int) -> QKMapConfig:
@@ -460,5 +498,6 @@ __all__ = [
     "QKMapForSequenceClassification",
     "QKMapModel",
     "QKMapPreTrainedModel",
+    "QKPositionPrior",
     "qkmap_features",
 ]

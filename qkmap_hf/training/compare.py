@@ -30,6 +30,17 @@ from .presets import get_preset
 
 CSV_FIELDS = ("mode", "seed", "step", "split", "loss")
 TRAIN_KEYS = {"learning_rate", "qkmap_learning_rate", "qkmap_lr_multiplier", "weight_decay", "qkmap_weight_decay"}
+# Short names accepted in --variant and --tune for training settings.
+TRAIN_KEY_ALIASES = {"qk_lr_multiplier": "qkmap_lr_multiplier"}
+# Built-in arms: the three modes and the ablations that say why they differ (docs/method.md, "Ablations").
+BUILTIN_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "standard": ("standard", {}),
+    "qk_norm": ("qk_norm", {}),
+    "qk_map": ("qk_map", {}),
+    "standard_prior": ("standard", {"qk_position_prior": "constant"}),
+    "qk_norm_prior": ("qk_norm", {"qk_position_prior": "constant"}),
+    "qk_map_noprior": ("qk_map", {"qkmap_rotate_cos_blocks": False}),
+}
 
 
 @dataclass
@@ -43,10 +54,10 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``LABEL[:key=value,key=value...]``; ``qk_mode`` defaults to LABEL when LABEL is a mode.
+    """``LABEL[:key=value,key=value...]``; a built-in arm name (``BUILTIN_ARMS``) brings its mode and fields.
 
-    Keys are QKMapConfig fields or training settings (``learning_rate``, ``qkmap_lr_multiplier``...), e.g.
-    ``qk_map_wide_range:qk_mode=qk_map,qkmap_max_frequency=10``.
+    Keys are QKMapConfig fields or training settings (``learning_rate``, ``qkmap_lr_multiplier`` alias
+    ``qk_lr_multiplier``...), e.g. ``qk_map_wide_range:qk_mode=qk_map,qkmap_max_frequency=10``.
     """
     from .trainer import parse_overrides
 
@@ -54,10 +65,15 @@ def parse_variant(text: str) -> Variant:
     label = label.strip()
     if not label:
         raise ValueError(f"--variant {text!r} needs a label before ':' (e.g. qk_map:qkmap_max_frequency=10).")
+    builtin_mode, builtin_config = BUILTIN_ARMS.get(label, (None, {}))
     values = parse_overrides([item for item in spec.split(",") if item.strip()]) if spec else {}
-    qk_mode = values.pop("qk_mode", label if label in QK_MODES else None)
+    values = {TRAIN_KEY_ALIASES.get(k, k): v for k, v in {**builtin_config, **values}.items()}
+    qk_mode = values.pop("qk_mode", builtin_mode)
     if qk_mode not in QK_MODES:
-        raise ValueError(f"--variant {text!r}: set qk_mode=standard|qk_norm|qk_map (the label is not a mode).")
+        raise ValueError(
+            f"--variant {text!r}: set qk_mode=standard|qk_norm|qk_map (the label is not a built-in arm: "
+            f"{', '.join(BUILTIN_ARMS)})."
+        )
     train = {k: values.pop(k) for k in list(values) if k in TRAIN_KEYS}
     return Variant(label, qk_mode, values, train)
 
@@ -89,6 +105,7 @@ class CompareOptions:
     split_seed: int = 0
     max_tokens: int | None = None
     attn_implementation: str = "sdpa"
+    qk_norm_in_qk_group: bool = False  # the sweep sets it: qk_lr_multiplier then tunes QK-Norm's weights too
 
 
 @dataclass
@@ -136,31 +153,35 @@ def rows_from_history(label: str, seed: int, history: list[dict]) -> list[dict]:
     return rows
 
 
-def run_comparison(options: CompareOptions) -> ComparisonResult:
-    """Train every variant x seed, then write the CSV, the plots and the summary."""
+def prepare_data(options: CompareOptions) -> tuple[Any, tuple, int]:
+    """Tokenizer, ``(train, held-out, stats)`` datasets and block size shared by every run of a comparison."""
     from .data import build_datasets
-    from .trainer import TrainOptions, load_tokenizer, train
+    from .trainer import TrainOptions, load_tokenizer
 
-    out = Path(options.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    labels = [v.label for v in options.variants]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"variant labels must be unique; got {labels}.")
-    preset = get_preset(options.preset)
-    block_size = options.block_size or preset.block_size
-    eval_steps = options.eval_steps or max(1, options.steps // 10)
-    logging_steps = options.logging_steps or max(1, options.steps // 50)
-    seeds = list(range(options.first_seed, options.first_seed + options.seeds))
-
+    block_size = options.block_size or get_preset(options.preset).block_size
     base = TrainOptions(
-        model=options.preset, data=list(options.data), output_dir=str(out / "runs"), tokenizer=options.tokenizer,
-        text_field=options.text_field,
+        model=options.preset, data=list(options.data), output_dir=str(Path(options.output_dir) / "runs"),
+        tokenizer=options.tokenizer, text_field=options.text_field,
     )
     tokenizer = load_tokenizer(base)
     datasets = build_datasets(
         options.data, tokenizer, block_size, text_field=options.text_field, eval_fraction=options.eval_fraction,
         max_eval_blocks=options.max_eval_blocks, split_seed=options.split_seed, max_tokens=options.max_tokens,
     )
+    return tokenizer, datasets, block_size
+
+
+def run_comparison(options: CompareOptions) -> ComparisonResult:
+    """Train every variant x seed, then write the CSV, the plots and the summary."""
+    out = Path(options.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [v.label for v in options.variants]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"variant labels must be unique; got {labels}.")
+    eval_steps = options.eval_steps or max(1, options.steps // 10)
+    logging_steps = options.logging_steps or max(1, options.steps // 50)
+    seeds = list(range(options.first_seed, options.first_seed + options.seeds))
+    tokenizer, datasets, block_size = prepare_data(options)
     settings = {**asdict(options), "block_size": block_size, "eval_steps": eval_steps, "logging_steps": logging_steps,
                 "data_stats": datasets[2].to_dict()}
     (out / "compare.json").write_text(json.dumps(settings, indent=2, default=str) + "\n")
@@ -175,38 +196,61 @@ def run_comparison(options: CompareOptions) -> ComparisonResult:
             if (variant.label, seed) in finished:
                 continue
             rows = [r for r in rows if not (r["mode"] == variant.label and r["seed"] == seed)]
-            train_settings = {
-                "learning_rate": options.learning_rate,
-                "qkmap_lr_multiplier": options.qkmap_lr_multiplier,
-                "weight_decay": options.weight_decay,
-                **variant.train,
-            }
-            run_options = TrainOptions(
-                model=options.preset,
-                data=list(options.data),
-                output_dir=str(out / "runs" / f"{variant.label}-seed{seed}"),
-                qk_mode=variant.qk_mode,
-                config={**options.config, **variant.config},
-                block_size=block_size,
-                max_steps=options.steps,
-                batch_size=options.batch_size,
-                warmup=options.warmup,
-                seed=seed,
-                logging_steps=logging_steps,
-                eval_steps=eval_steps,
-                save_steps=0,
-                disable_tqdm=True,
-                attn_implementation=options.attn_implementation,
-                bf16="no",
-                **train_settings,
-            )
             started = time.time()
-            result = train(run_options, datasets=datasets, tokenizer=tokenizer, save=False)
+            result = train_run(
+                options, variant, seed, datasets, tokenizer, out / "runs" / f"{variant.label}-seed{seed}",
+                block_size=block_size, eval_steps=eval_steps, logging_steps=logging_steps,
+            )
             timing[f"{variant.label}/{seed}"] = time.time() - started
             rows += rows_from_history(variant.label, seed, result.log_history)
             _write_rows(csv_path, rows)
             timing_path.write_text(json.dumps(timing, indent=2) + "\n")
     return report(out, options.steps, labels)
+
+
+def train_run(
+    options: CompareOptions,
+    variant: Variant,
+    seed: int,
+    datasets: tuple,
+    tokenizer,
+    output_dir: Path,
+    *,
+    block_size: int,
+    eval_steps: int,
+    logging_steps: int,
+    save: bool = False,
+):
+    """One run of one arm and seed with the comparison's shared settings (the one place they are assembled)."""
+    from .trainer import TrainOptions, train
+
+    train_settings = {
+        "learning_rate": options.learning_rate,
+        "qkmap_lr_multiplier": options.qkmap_lr_multiplier,
+        "weight_decay": options.weight_decay,
+        **variant.train,
+    }
+    run_options = TrainOptions(
+        model=options.preset,
+        data=list(options.data),
+        output_dir=str(output_dir),
+        qk_mode=variant.qk_mode,
+        config={**options.config, **variant.config},
+        block_size=block_size,
+        max_steps=options.steps,
+        batch_size=options.batch_size,
+        warmup=options.warmup,
+        seed=seed,
+        logging_steps=logging_steps,
+        eval_steps=eval_steps,
+        save_steps=0,
+        disable_tqdm=True,
+        attn_implementation=options.attn_implementation,
+        bf16="no",
+        qk_norm_in_qk_group=options.qk_norm_in_qk_group,
+        **train_settings,
+    )
+    return train(run_options, datasets=datasets, tokenizer=tokenizer, save=save)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,4 +353,15 @@ def report(out: Path, final_step: int, labels: Sequence[str] | None = None) -> C
     return ComparisonResult(out / "losses.csv", plots, out / "summary.md", summary)
 
 
-__all__ = ["CompareOptions", "ComparisonResult", "Variant", "parse_variant", "report", "run_comparison", "summarize"]
+__all__ = [
+    "BUILTIN_ARMS",
+    "CompareOptions",
+    "ComparisonResult",
+    "Variant",
+    "parse_variant",
+    "prepare_data",
+    "report",
+    "run_comparison",
+    "summarize",
+    "train_run",
+]

@@ -26,6 +26,10 @@ from transformers import Trainer
 # harness (docs/compare.md, "Choosing the defaults").
 QKMAP_LR_MULTIPLIER = 10.0
 QKMAP_MODULE_CLASS = "QKMapFeatureMap"
+# Query/key-side parameters that share the QK-MAP group: the position-prior ablation's constant blocks always,
+# QK-Norm's q_norm/k_norm weights only when asked (``qk_norm_in_qk_group``: equal tuning in ``qkmap compare``).
+QK_GROUP_MODULE_CLASSES = (QKMAP_MODULE_CLASS, "QKPositionPrior")
+QK_NORM_MODULE_NAMES = ("q_norm", "k_norm")
 GROUP_NAMES = ("decay", "no_decay", "qkmap")
 
 
@@ -33,7 +37,9 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("Norm", "RMSNorm"))
 
 
-def classify_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def classify_parameters(
+    model: nn.Module, *, qk_norm_in_qk_group: bool = False
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Trainable parameters by group name (``decay``, ``no_decay``, ``qkmap``), each tied tensor once.
 
     Ownership decides, not shape: the owning module's class name finds QK-MAP parameters in this package's
@@ -48,7 +54,8 @@ def classify_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parame
                 continue
             seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
-            if type(module).__name__ == QKMAP_MODULE_CLASS:
+            is_qk_norm = qk_norm_in_qk_group and module_name.rsplit(".", 1)[-1] in QK_NORM_MODULE_NAMES
+            if type(module).__name__ in QK_GROUP_MODULE_CLASSES or is_qk_norm:
                 group = "qkmap"
             elif param_name.endswith("bias") or _is_norm(module):
                 group = "no_decay"
@@ -65,6 +72,7 @@ def parameter_groups(
     weight_decay: float,
     qkmap_learning_rate: float | None = None,
     qkmap_weight_decay: float = 0.0,
+    qk_norm_in_qk_group: bool = False,
 ) -> list[dict]:
     """torch optimizer groups; each carries a ``name`` key and its own ``lr`` and ``weight_decay``.
 
@@ -78,7 +86,7 @@ def parameter_groups(
         "qkmap": (qkmap_learning_rate, qkmap_weight_decay),
     }
     result = []
-    for name, members in classify_parameters(model).items():
+    for name, members in classify_parameters(model, qk_norm_in_qk_group=qk_norm_in_qk_group).items():
         if members:
             lr, decay = settings[name]
             result.append({"name": name, "params": [p for _, p in members], "lr": lr, "weight_decay": decay})
@@ -91,11 +99,21 @@ class QKMapTrainer(Trainer):
     Args (beyond ``Trainer``'s):
         qkmap_learning_rate: learning rate of the QK-MAP group; ``None`` means ``QKMAP_LR_MULTIPLIER`` x the base.
         qkmap_weight_decay: weight decay of the QK-MAP group (default 0).
+        qk_norm_in_qk_group: put QK-Norm's q_norm/k_norm weights in that group (``qkmap compare`` does, so that
+            ``qk_lr_multiplier`` tunes every mode's query/key-side parameters alike).
     The learning-rate schedule scales every group's own rate by the same factor.
     """
 
-    def __init__(self, *args, qkmap_learning_rate: float | None = None, qkmap_weight_decay: float = 0.0, **kwargs):
+    def __init__(
+        self,
+        *args,
+        qkmap_learning_rate: float | None = None,
+        qkmap_weight_decay: float = 0.0,
+        qk_norm_in_qk_group: bool = False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
+        self.qk_norm_in_qk_group = qk_norm_in_qk_group
         self.qkmap_learning_rate = (
             qkmap_learning_rate if qkmap_learning_rate is not None else QKMAP_LR_MULTIPLIER * self.args.learning_rate
         )
@@ -119,6 +137,7 @@ class QKMapTrainer(Trainer):
             weight_decay=self.args.weight_decay,
             qkmap_learning_rate=self.qkmap_learning_rate,
             qkmap_weight_decay=self.qkmap_weight_decay,
+            qk_norm_in_qk_group=self.qk_norm_in_qk_group,
         )
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer

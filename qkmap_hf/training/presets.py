@@ -66,6 +66,20 @@ PRESETS: dict[str, SizePreset] = {
             learning_rate=2e-3,
         ),
         SizePreset(
+            name="claims-cpu",
+            description="2 layers x 128 wide, 2 heads x 64, T=512, batch 4: head_dim 64 and needle lengths 256/512 "
+            "on a CPU (~0.2-0.3 s per step on one core), for benchmarks/paper_claims.sh",
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=257,
+            block_size=512,
+            batch_size=4,
+            learning_rate=2e-3,
+        ),
+        SizePreset(
             name="small-cpu",
             description="4 layers x 256 wide, 4 heads x 64: the shape of the byte-level prototype (T=256, batch 16)",
             hidden_size=256,

@@ -66,6 +66,7 @@ class TrainOptions:
     qkmap_lr_multiplier: float = QKMAP_LR_MULTIPLIER
     weight_decay: float = 0.1
     qkmap_weight_decay: float = 0.0
+    qk_norm_in_qk_group: bool = False  # QK-Norm's norm weights at the QK-MAP group's rate (qkmap compare)
     adam_beta2: float = 0.95
     lr_scheduler: str = "cosine"
     warmup: float = 0.05
@@ -514,6 +515,7 @@ def train(
         qkmap_learning_rate=qkmap_lr,
         qkmap_weight_decay=options.qkmap_weight_decay,
         **(trainer_kwargs or {}),
+        qk_norm_in_qk_group=options.qk_norm_in_qk_group,
     )
     if options.fsdp and not trainer.is_fsdp_enabled:
         logger.warning(

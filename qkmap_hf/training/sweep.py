@@ -1,0 +1,411 @@
+"""``qkmap compare --tune``: equal tuning effort for every arm, chosen on one split and reported on another.
+
+Protocol (docs/compare.md, "Equal tuning effort"):
+
+1. The held-out blocks are cut in two disjoint halves: the **tuning split** (first half) and the **report split**
+   (second half). Every arm gets the same grid (the cross product of the ``--tune`` values); knobs that cannot
+   change an arm (``qk_lr_multiplier`` for an arm without query/key-side parameters) are dropped for that arm
+   instead of training identical copies.
+2. Tuning runs use the **tuning seeds** and are evaluated on the tuning split only; each arm's choice is the
+   setting with the lowest mean final tuning loss.
+3. Report runs rerun each arm's choice with fresh **report seeds** (disjoint from the tuning seeds) and are
+   evaluated on the report split only; with ``save_models`` each report run is kept as a checkpoint.
+
+Outputs in the output folder: ``sweep_losses.csv`` (``arm,phase,setting,seed,step,split,loss``),
+``summary.json`` (grid, tuning losses, choice, report losses per seed, paired differences with 95 % intervals,
+the seeds and block fingerprints of both splits), ``summary.md``, ``validation_loss.png`` and, with
+``save_models``, ``models/ARM/seedS``. Finished runs found in the CSV are skipped, so a sweep resumes.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import json
+import math
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..fileio import atomic_write_json, atomic_write_text
+from .compare import TRAIN_KEY_ALIASES, TRAIN_KEYS, CompareOptions, Variant, prepare_data, train_run
+
+SWEEP_FORMAT = "qkmap-sweep/1"
+SWEEP_CSV_FIELDS = ("arm", "phase", "setting", "seed", "step", "split", "loss")
+QK_LR_KNOB = "qkmap_lr_multiplier"
+DEFAULT_SETTING = "default"
+# Two-sided 95 % Student t quantiles t(0.975, df) for df = 1..30 (beyond: the normal 1.96 is within 2 %).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+@dataclass
+class SweepOptions:
+    """A comparison (its arms, report seeds ``first_seed..``, steps...) plus the tuning grid and tuning seeds."""
+
+    compare: CompareOptions
+    tune: dict[str, list] = field(default_factory=dict)
+    tuning_seeds: list[int] = field(default_factory=lambda: [1000])
+    save_models: bool = False
+
+    @property
+    def report_seeds(self) -> list[int]:
+        return list(range(self.compare.first_seed, self.compare.first_seed + self.compare.seeds))
+
+
+def parse_tune(items: list[str]) -> dict[str, list]:
+    """``["NAME=V1,V2", ...]`` -> ``{name: [v1, v2]}``; names are training settings or QKMapConfig fields."""
+    from ..modeling.configuration_qkmap import QKMapConfig
+    from .trainer import parse_overrides
+
+    config_fields = set(QKMapConfig().to_dict())
+    grid: dict[str, list] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        name = TRAIN_KEY_ALIASES.get(name.strip(), name.strip())
+        if not sep or not values.strip():
+            raise ValueError(f"--tune {item!r} must look like NAME=V1,V2,... (e.g. learning_rate=1e-3,2e-3).")
+        if name not in TRAIN_KEYS and name not in config_fields:
+            raise ValueError(
+                f"--tune {item!r}: {name!r} is neither a training setting ({', '.join(sorted(TRAIN_KEYS))}, "
+                "qk_lr_multiplier) nor a QKMapConfig field."
+            )
+        grid[name] = [parse_overrides([f"{name}={v.strip()}"])[name] for v in values.split(",") if v.strip()]
+    return grid
+
+
+def setting_id(point: dict[str, Any]) -> str:
+    """A readable, stable name for one grid point (``default`` for the empty point)."""
+    return ";".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in point.items()) or DEFAULT_SETTING
+
+
+def grid_points(tune: dict[str, list]) -> list[dict[str, Any]]:
+    """The cross product of the tuning values, in the order given."""
+    names = list(tune)
+    return [dict(zip(names, values, strict=True)) for values in itertools.product(*(tune[n] for n in names))]
+
+
+def has_qk_side_parameters(variant: Variant, options: CompareOptions) -> bool:
+    """Whether the arm has parameters in the query/key-side optimizer group (built on the meta device)."""
+    import torch
+
+    from ..modeling.modeling_qkmap import QKMapForCausalLM
+    from .optim import classify_parameters
+    from .presets import preset_config
+
+    config = preset_config(options.preset, variant.qk_mode, **{**options.config, **variant.config})
+    with torch.device("meta"):
+        model = QKMapForCausalLM(config)
+    return bool(classify_parameters(model, qk_norm_in_qk_group=True)["qkmap"])
+
+
+def arm_grid(variant: Variant, tune: dict[str, list], options: CompareOptions) -> tuple[list[dict], list[str]]:
+    """The grid points that can change this arm, and the knobs dropped as inert for it."""
+    inert = [QK_LR_KNOB] if QK_LR_KNOB in tune and not has_qk_side_parameters(variant, options) else []
+    points = []
+    for point in grid_points({k: v for k, v in tune.items() if k not in inert}):
+        if point not in points:
+            points.append(point)
+    return points, inert
+
+
+def apply_point(variant: Variant, point: dict[str, Any]) -> Variant:
+    """The arm with one grid point applied (training settings and config fields go to their places)."""
+    train = {**variant.train, **{k: v for k, v in point.items() if k in TRAIN_KEYS}}
+    config = {**variant.config, **{k: v for k, v in point.items() if k not in TRAIN_KEYS}}
+    return replace(variant, config=config, train=train)
+
+
+def split_heldout(eval_dataset) -> tuple[Any, Any]:
+    """Tuning split (first half of the held-out blocks) and report split (second half): disjoint by construction."""
+    from .data import PackedDataset
+
+    blocks = eval_dataset.blocks
+    half = len(blocks) // 2
+    if half < 1:
+        raise ValueError(
+            f"{len(blocks)} held-out block(s) cannot be cut into a tuning and a report split; raise --max-eval-blocks "
+            "or --eval-fraction (at least 2 blocks)."
+        )
+    return PackedDataset(blocks[:half]), PackedDataset(blocks[half:])
+
+
+def block_fingerprints(dataset) -> list[str]:
+    """SHA-1 (12 hex digits) of every block's token ids: lets a reader check the splits share no block."""
+    return [hashlib.sha1(block.numpy().tobytes()).hexdigest()[:12] for block in dataset.blocks]
+
+
+def t_quantile_975(df: int) -> float:
+    return T_975[df - 1] if df <= len(T_975) else 1.96
+
+
+def paired_interval(differences: list[float]) -> dict[str, Any]:
+    """Mean of paired differences with a two-sided 95 % Student t interval (``None`` bounds for one pair)."""
+    n = len(differences)
+    mean = statistics.fmean(differences)
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None, "wins": sum(d < 0 for d in differences)}
+    half = t_quantile_975(n - 1) * statistics.stdev(differences) / math.sqrt(n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "wins": sum(d < 0 for d in differences)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as handle:
+        return [{**r, "seed": int(r["seed"]), "step": int(r["step"]), "loss": float(r["loss"])} for r in csv.DictReader(handle)]
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    lines = [",".join(SWEEP_CSV_FIELDS)] + [",".join(str(r[k]) for k in SWEEP_CSV_FIELDS) for r in rows]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def _history_rows(arm: str, phase: str, setting: str, seed: int, history: list[dict]) -> list[dict]:
+    rows = []
+    for entry in history:
+        for key, split in (("loss", "train"), ("eval_loss", "validation")):
+            if key in entry:
+                rows.append({"arm": arm, "phase": phase, "setting": setting, "seed": seed, "step": int(entry["step"]),
+                             "split": split, "loss": float(entry[key])})  # fmt: skip
+    return rows
+
+
+def _final(rows: list[dict], steps: int) -> dict[tuple[str, str, str, int], float]:
+    return {
+        (r["arm"], r["phase"], r["setting"], r["seed"]): r["loss"]
+        for r in rows
+        if r["split"] == "validation" and r["step"] == steps
+    }
+
+
+def _rank(loss: float) -> float:
+    """A diverged run (NaN loss) ranks last."""
+    return math.inf if math.isnan(loss) else loss
+
+
+def run_sweep(sweep: SweepOptions) -> dict:
+    """Tune every arm, rerun each choice on the report seeds, write the outputs; returns ``summary.json``'s data."""
+    options = sweep.compare
+    out = Path(options.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [v.label for v in options.variants]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"variant labels must be unique; got {labels}.")
+    overlap = set(sweep.tuning_seeds) & set(sweep.report_seeds)
+    if overlap:
+        raise ValueError(
+            f"tuning seeds {sweep.tuning_seeds} and report seeds {sweep.report_seeds} share {sorted(overlap)}; "
+            "move --tuning-first-seed or --first-seed so the report uses fresh seeds."
+        )
+    tokenizer, (train_set, heldout, stats), block_size = prepare_data(options)
+    tune_split, report_split = split_heldout(heldout)
+    logging_steps = options.logging_steps or max(1, options.steps // 50)
+    report_eval_steps = options.eval_steps or max(1, options.steps // 5)
+    grids = {v.label: arm_grid(v, sweep.tune, options) for v in options.variants}
+    csv_path, timing_path = out / "sweep_losses.csv", out / "timing.json"
+    rows = _read(csv_path)
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+
+    def run(variant: Variant, phase: str, setting: str, seed: int, split, eval_steps: int, folder: Path, save: bool):
+        nonlocal rows
+        if (variant.label, phase, setting, seed) in _final(rows, options.steps):
+            return
+        rows = [r for r in rows if (r["arm"], r["phase"], r["setting"], r["seed"]) != (variant.label, phase, setting, seed)]
+        started = time.time()
+        result = train_run(
+            options, variant, seed, (train_set, split, stats), tokenizer, folder, block_size=block_size,
+            eval_steps=eval_steps, logging_steps=logging_steps, save=save,
+        )
+        timing[f"{variant.label}/{phase}/{setting}/{seed}"] = time.time() - started
+        rows += _history_rows(variant.label, phase, setting, seed, result.log_history)
+        _write(csv_path, rows)
+        atomic_write_json(timing_path, timing)
+
+    choices: dict[str, dict] = {}
+    for variant in options.variants:  # 1. tuning: every grid point of every arm on the tuning seeds and split
+        points, _ = grids[variant.label]
+        for point in points if len(points) > 1 else []:
+            for seed in sweep.tuning_seeds:
+                folder = out / "runs" / "tune" / f"{variant.label}-{setting_id(point)}-seed{seed}"
+                run(apply_point(variant, point), "tune", setting_id(point), seed, tune_split, options.steps, folder, False)
+        finals = _final(rows, options.steps)
+        means = {
+            setting_id(p): statistics.fmean(finals[(variant.label, "tune", setting_id(p), s)] for s in sweep.tuning_seeds)
+            for p in points
+            if len(points) > 1
+        }
+        choices[variant.label] = points[0] if len(points) == 1 else min(points, key=lambda p: _rank(means[setting_id(p)]))
+    for seed in sweep.report_seeds:  # 2. report: each arm's choice on fresh seeds and the report split
+        for variant in options.variants:
+            point = choices[variant.label]
+            folder = out / ("models" if sweep.save_models else "runs/report") / variant.label / f"seed{seed}"
+            run(apply_point(variant, point), "report", setting_id(point), seed, report_split, report_eval_steps, folder,
+                sweep.save_models)  # fmt: skip
+    summary = summarize_sweep(rows, sweep, grids, choices, timing)
+    summary["splits"] = {
+        "tuning": {"seeds": sweep.tuning_seeds, "blocks": len(tune_split), "block_sha1": block_fingerprints(tune_split)},
+        "report": {"seeds": sweep.report_seeds, "blocks": len(report_split), "block_sha1": block_fingerprints(report_split)},
+    }
+    summary["settings"] = {
+        "preset": options.preset, "steps": options.steps, "block_size": block_size, "batch_size": options.batch_size,
+        "learning_rate": options.learning_rate, "qkmap_lr_multiplier": options.qkmap_lr_multiplier,
+        "weight_decay": options.weight_decay, "warmup": options.warmup, "config": options.config,
+        "tune": sweep.tune, "data_stats": stats.to_dict(), "train_blocks": len(train_set),
+    }  # fmt: skip
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "summary.md", summary_markdown(summary))
+    plot_validation(rows, labels, out / "validation_loss.png")
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------------
+
+
+def _train_tail(rows: list[dict], arm: str, seed: int, steps: int) -> float | None:
+    """Mean logged train loss over the last 20 % of a report run (one logged batch is too noisy)."""
+    tail = [r["loss"] for r in rows if r["arm"] == arm and r["phase"] == "report" and r["seed"] == seed
+            and r["split"] == "train" and r["step"] > 0.8 * steps]  # fmt: skip
+    return statistics.fmean(tail) if tail else None
+
+
+def summarize_sweep(rows: list[dict], sweep: SweepOptions, grids: dict, choices: dict, timing: dict) -> dict:
+    """Per arm: grid, tuning losses, choice, report losses per seed; paired differences between every two arms."""
+    steps = sweep.compare.steps
+    finals = _final(rows, steps)
+    arms: dict[str, dict] = {}
+    for variant in sweep.compare.variants:
+        points, inert = grids[variant.label]
+        chosen = setting_id(choices[variant.label])
+        tuning = {
+            setting_id(p): {str(s): finals.get((variant.label, "tune", setting_id(p), s)) for s in sweep.tuning_seeds}
+            for p in points
+            if len(points) > 1
+        }
+        report = {s: finals[(variant.label, "report", chosen, s)] for s in sweep.report_seeds
+                  if (variant.label, "report", chosen, s) in finals}  # fmt: skip
+        train_tail = {s: _train_tail(rows, variant.label, s, steps) for s in report}
+        seconds = [v for k, v in timing.items() if k.startswith(f"{variant.label}/")]
+        arms[variant.label] = {
+            "qk_mode": variant.qk_mode,
+            "config": variant.config,
+            "train": variant.train,
+            "grid": [setting_id(p) for p in points],
+            "inert_knobs": inert,
+            "tuning_losses": tuning,
+            "choice": chosen,
+            "choice_values": choices[variant.label],
+            "report_losses": {str(s): v for s, v in report.items()},
+            "report_mean": statistics.fmean(report.values()) if report else None,
+            "report_std": statistics.stdev(report.values()) if len(report) > 1 else None,
+            "report_train_losses": {str(s): v for s, v in train_tail.items()},
+            "runs": len(seconds),
+            "seconds": sum(seconds),
+        }
+    paired: dict[str, dict] = {}
+    for a in arms:
+        paired[a] = {}
+        for b in arms:
+            if a == b:
+                continue
+            seeds = [s for s in arms[a]["report_losses"] if s in arms[b]["report_losses"]]
+            if seeds:
+                diffs = [arms[a]["report_losses"][s] - arms[b]["report_losses"][s] for s in seeds]
+                paired[a][b] = {**paired_interval(diffs), "per_seed": dict(zip(seeds, diffs, strict=True))}
+    return {"format": SWEEP_FORMAT, "metric": f"validation loss at step {steps} (nats/token)", "arms": arms,
+            "paired": paired}  # fmt: skip
+
+
+def _interval(entry: dict | None) -> str:
+    if not entry:
+        return ""
+    if entry["low"] is None:
+        return f"{entry['mean']:+.4f} (n=1)"
+    return f"{entry['mean']:+.4f} [{entry['low']:+.4f}, {entry['high']:+.4f}]"
+
+
+def summary_markdown(summary: dict) -> str:
+    arms = summary["arms"]
+    lines = [
+        f"Report-split {summary['metric']}; paired differences on the same report seeds, mean [95 % t interval].",
+        "",
+        "| arm | grid | choice (tuning split) | report seeds | mean | std | vs standard | vs qk_norm |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, arm in arms.items():
+        std = f"{arm['report_std']:.4f}" if arm["report_std"] is not None else ""
+        mean = f"{arm['report_mean']:.4f}" if arm["report_mean"] is not None else ""
+        lines.append(
+            f"| {name} | {len(arm['grid'])} | {arm['choice']} | {len(arm['report_losses'])} | {mean} | {std} "
+            f"| {_interval(summary['paired'].get(name, {}).get('standard'))} "
+            f"| {_interval(summary['paired'].get(name, {}).get('qk_norm'))} |"
+        )
+    lines += ["", "Tuning-split losses (mean over tuning seeds) per grid point:", ""]
+    for name, arm in arms.items():
+        cells = []
+        for setting, by_seed in arm["tuning_losses"].items():
+            values = [v for v in by_seed.values() if v is not None]
+            cells.append(f"{setting}: {statistics.fmean(values):.4f}" if values else f"{setting}: -")
+        inert = f" (inert: {', '.join(arm['inert_knobs'])})" if arm["inert_knobs"] else ""
+        lines.append(f"- {name}{inert}: " + ("; ".join(cells) or "grid of one point, no tuning runs"))
+    return "\n".join(lines) + "\n"
+
+
+def plot_validation(rows: list[dict], labels: list[str], path: Path) -> None:
+    """Report runs' validation loss per arm: mean over seeds with a min/max band (matplotlib object API)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(figure)
+    axis = figure.add_subplot()
+    tail = []
+    for label in labels:
+        by_step = defaultdict(list)
+        for r in rows:
+            if r["arm"] == label and r["phase"] == "report" and r["split"] == "validation":
+                by_step[r["step"]].append(r["loss"])
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        means = [statistics.fmean(by_step[s]) for s in steps]
+        axis.plot(steps, means, label=f"{label} (n={max(len(v) for v in by_step.values())})", linewidth=1.5)
+        axis.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps], alpha=0.15)
+        tail += [m for s, m in zip(steps, means, strict=True) if s >= 0.3 * steps[-1]]
+    if tail:
+        margin = 0.08 * (max(tail) - min(tail) or 1.0)
+        axis.set_ylim(min(tail) - margin, max(tail) + margin)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("report-split validation loss (nats/token)")
+    axis.set_title("validation loss per arm at its tuned setting: mean, min/max over report seeds")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    figure.savefig(tmp, dpi=120)
+    tmp.replace(path)
+
+
+__all__ = [
+    "SweepOptions",
+    "arm_grid",
+    "block_fingerprints",
+    "grid_points",
+    "paired_interval",
+    "parse_tune",
+    "run_sweep",
+    "setting_id",
+    "split_heldout",
+    "summarize_sweep",
+]
