@@ -59,6 +59,7 @@ def model_dir(tmp_path_factory):
         (["compare", "--data", "{tmp}/none.txt", "--output-dir", "{tmp}/o"], "--data {tmp}/none.txt: no such"),
         (["push", "{tmp}/no-model", "org/name", "--dry-run"], "MODEL {tmp}/no-model: no such checkpoint folder"),
         (["convert", "{tmp}/no-src", "{tmp}/dst"], "SRC {tmp}/no-src: no such folder"),
+        (["eval", "{tmp}/no-model", "--tasks", "qkmap_next_line"], "MODEL {tmp}/no-model: no such checkpoint folder"),
     ],
     ids=lambda v: v[0] if isinstance(v, list) else None,
 )
