@@ -98,6 +98,8 @@ def describe_error(error: BaseException) -> str:
         text = name
     if type(error).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3", "huggingface_hub"):
         text = " ".join(text.split())
+        if name.startswith("Hf"):  # the Hub answered, with an error status
+            return f"the Hub refused the request ({name}): {text}. Check the repo id, the token and its rights."
         if not isinstance(error, ValueError):
             return f"network error ({name}): {text}. Check the connection, HF_ENDPOINT and the token."
     return text

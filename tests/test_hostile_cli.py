@@ -59,6 +59,7 @@ def model_dir(tmp_path_factory):
         (["compare", "--data", "{tmp}/none.txt", "--output-dir", "{tmp}/o"], "--data {tmp}/none.txt: no such"),
         (["push", "{tmp}/no-model", "org/name", "--dry-run"], "MODEL {tmp}/no-model: no such checkpoint folder"),
         (["convert", "{tmp}/no-src", "{tmp}/dst"], "SRC {tmp}/no-src: no such folder"),
+        (["eval", "{tmp}/no-model", "--tasks", "qkmap_next_line"], "MODEL {tmp}/no-model: no such checkpoint folder"),
     ],
     ids=lambda v: v[0] if isinstance(v, list) else None,
 )
@@ -140,3 +141,22 @@ def test_console_entry_point_prints_one_line(tmp_path):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"SRC {tmp_path / 'nope'}: no such checkpoint folder" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["compare", "--data", "{tmp}/t.txt", "--output-dir", "{tmp}/o", "--block-size", "0"], "--block-size 0"),
+        (["compare", "--data", "{tmp}/t.txt", "--output-dir", "{tmp}/o", "--steps", "0"], "--steps 0"),
+        (["convert", "{tmp}/src", "{tmp}/o", "--num-frequencies", "0"], "num_frequencies=0 is invalid"),
+        (["convert", "{tmp}/src", "{tmp}/o", "--omega0", "nan"], "omega0=nan is invalid"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_zero_and_nan_counts_are_refused_not_defaulted(argv, named, model_dir, tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("To be, or not to be.\n" * 20)
+    shutil.copytree(model_dir, tmp_path / "src")
+    before = tree_digest(tmp_path)
+    code, _, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert_refused(code, err, named)
+    assert tree_digest(tmp_path) == before

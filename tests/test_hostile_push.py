@@ -127,17 +127,55 @@ def test_symlinks_are_refused(folder, tmp_path, capsys):
     assert tree_digest(folder) == before and secret.read_text() == "not for the Hub"
 
 
+def _loads_fine(folder):
+    """Stand-in for the clean-load check (a fresh interpreter, tested in test_push.py)."""
+    return {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "finite_logits": True}
+
+
 def test_network_failure_is_one_line(folder, capsys, monkeypatch, offline_endpoint):
     """The Hub unreachable: exit 2 and one line naming the network error (the clean-load check is stubbed: it is
     tested in test_push.py and takes a fresh interpreter)."""
-    monkeypatch.setattr(
-        hub,
-        "clean_load_check",
-        lambda folder: {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "finite_logits": True},
-    )
+    monkeypatch.setattr(hub, "clean_load_check", _loads_fine)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     before = tree_digest(folder)
     code, _, err = run_cli(capsys, "push", folder, "org/name", "--token", "hf_x")
     assert_refused(code, err, "network error", "Check the connection, HF_ENDPOINT")
     assert len([line for line in err.splitlines() if line.strip()]) <= 2, err
     assert tree_digest(folder) == before
+
+
+def test_hub_error_status_is_one_line(folder, capsys, monkeypatch):
+    """The Hub answers 401 to everything (a bad token): exit 2, one line saying the Hub refused and why."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from huggingface_hub import constants
+
+    class Refuse(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _refuse(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.dumps({"error": "Invalid credentials in Authorization header"}).encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _refuse
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setattr(hub, "clean_load_check", _loads_fine)
+        before = tree_digest(folder)
+        code, _, err = run_cli(capsys, "push", folder, "org/name", "--token", "hf_bad")
+        assert_refused(code, err, "the Hub refused the request", "Invalid credentials")
+        assert tree_digest(folder) == before
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -170,3 +170,32 @@ def test_full_disk_during_a_checkpoint_then_resume_and_truncation(work, capsys, 
     code, _, err = _train(capsys, work, *flags, "--resume")
     assert code == 0, err
     assert f"continuing from {out / 'checkpoint-2'}" in err and f"{weights} is truncated" in err
+
+
+@pytest.mark.parametrize(
+    "line, named",
+    [
+        (LATIN_1, "is not UTF-8 text"),
+        (b'{"text": "unterminated\n', ":1 is not JSON"),
+        (b"[1, 2]\n", ":1 is a JSON list"),
+    ],
+    ids=["latin-1", "broken-json", "not-an-object"],
+)
+def test_bad_jsonl_is_refused_naming_the_file(line, named, work, capsys):
+    (work / "data.jsonl").write_bytes(line)
+    before = tree_digest(work)
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--model",
+        work / "model",
+        "--data",
+        work / "data.jsonl",
+        "--output-dir",
+        work / "out",
+        "--max-steps",
+        "1",
+        *TRAIN_FLAGS,
+    )
+    assert_refused(code, err, f"{work / 'data.jsonl'}", named)
+    assert tree_digest(work) == before and not (work / "out").exists()

@@ -57,6 +57,12 @@ def run(args: argparse.Namespace) -> int:
     from .paths import require_path, require_paths
 
     require_paths("--data", args.data)
+    counts = ("steps", "seeds", "block_size", "batch_size", "eval_steps", "logging_steps", "max_tokens")
+    for name in counts:  # the library reads a missing count as "the default"; 0 must not become that silently
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value}: must be a positive integer (leave it out for the default).")
     require_path("--tokenizer", args.tokenizer, "tokenizer folder", hub_id_ok=True)
     options = CompareOptions(
         data=args.data,

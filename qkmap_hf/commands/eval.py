@@ -68,7 +68,10 @@ def run_raw(argv: list[str]) -> int:
     import qkmap_hf.lm_eval  # noqa: F401  (registers --model qkmap)
 
     from ..tasks import task_pack_dir
+    from .paths import require_path
 
+    if argv and not argv[0].startswith("-") and argv[0] not in (*_SUBCOMMANDS, "run"):
+        require_path("MODEL", argv[0], "checkpoint folder", hub_id_ok=True)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         lm_eval_argv = ["run", "--help"]

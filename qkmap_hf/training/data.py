@@ -78,10 +78,15 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
         for line_number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number} is not JSON ({error.msg}); fix or remove the line.") from error
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{line_number} is a JSON {type(record).__name__}, not an object with fields.")
             if text_field not in record:
                 raise ValueError(
-                    f"{path}:{line_number} has no field {text_field!r} (fields: {', '.join(record)}); "
+                    f"{path}:{line_number} has no field {text_field!r} (fields: {', '.join(map(str, record))}); "
                     "pass --text-field with the name of the text field."
                 )
             yield str(record[text_field])
@@ -132,7 +137,10 @@ def iter_documents(paths: Sequence[str | Path], text_field: str = "text") -> Ite
             continue
         for file in _files_under(path) if path.is_dir() else [path]:
             if file.suffix.lower() in JSONL_SUFFIXES:
-                yield from _iter_jsonl(file, text_field)
+                try:
+                    yield from _iter_jsonl(file, text_field)
+                except UnicodeDecodeError as error:  # binary or another encoding: name the file
+                    raise ValueError(f"{file} is not UTF-8 text ({error.reason}); convert it to UTF-8.") from error
             else:
                 yield read_text_file(file)  # binary or non-UTF-8 input is refused, naming the file
 
