@@ -7,19 +7,23 @@ fresh subprocess, the peak RSS (``VmHWM`` of ``/proc/self/status``, which also c
 ``ru_maxrss``, which a child started by ``subprocess`` inherits from its parent's peak across ``exec``, so it
 reported the benchmark's own 3.5 GB of checkpoint building for every method) and wall time of
 
-- ``convert``: ``qkmap_hf.convert_checkpoint(src, dst, init="exact")`` (streams tensor by tensor), and
+- ``convert``: ``qkmap_hf.convert_checkpoint(src, dst, init="exact")`` (streams tensor by tensor; with
+  ``--also-code DIR`` also the ``qkmap_hf`` in DIR, e.g. an older commit unpacked by ``git archive``),
 - ``load+save``: the plain way, ``safetensors.torch.load_file`` of every shard into one dict, then
   ``save_file`` of the same shards (left in the page cache, as ``save_pretrained`` leaves them), and
 - ``load+save+fsync``: the same, then ``fsync`` of every file, the durability the conversion gives
   (it syncs every file before renaming its folder into place).
 
 Each method also reports MB/s (checkpoint bytes / wall time) and its wall-time and RSS ratios to
-``load+save``; the page cache is dropped of the written files between methods by deleting them.
+``load+save``. The methods run interleaved for ``--repeats`` rounds (the table shows medians, the CSV
+every round); before each, the source is read once so every method starts with it in the page cache, and
+after each the output is deleted and ``os.sync`` waits for its write-back.
 
 Writes a CSV and prints a table. Not a test: it needs ~30 GB of free disk and, for the baseline, memory
 of the full model. The multi-GB files are deleted at the end (unless ``--keep``)::
 
-    python benchmarks/conversion_memory.py [--layers 32] [--workdir /tmp] [--csv benchmarks/results/conversion_memory.csv]
+    python benchmarks/conversion_memory.py [--layers 32] [--repeats 3] [--workdir /tmp] [--keep | --reuse SRC]
+        [--also-code DIR] [--csv benchmarks/results/conversion_memory.csv]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import csv
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,6 +161,14 @@ def measure(code: str, src: Path, dst: Path, *extra: str, pythonpath: str | None
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def warm_page_cache(folder: Path) -> None:
+    """Read every file of ``folder`` once, so no method pays for (or profits from) a cold source."""
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb") as handle:
+            while handle.read(64 * 2**20):
+                pass
+
+
 def mem_available_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -176,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "conversion_memory.csv"))
     parser.add_argument("--skip-baseline", action="store_true", help="measure the conversion only")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the table shows medians")
     parser.add_argument("--reuse", default=None, metavar="SRC", help="measure on a checkpoint an earlier --keep kept")
     parser.add_argument(
         "--also-code",
@@ -223,15 +237,21 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_baseline:
             methods.append(("load_file + save_file (plain)", LOAD_AND_SAVE, (), None))
             methods.append(("load_file + save_file + fsync", LOAD_AND_SAVE, ("fsync",), None))
-        for method, code, extra, pythonpath in methods:
-            dst = work / "dst"
-            if method.startswith("load") and mem_available_bytes() < info["total_bytes"] + 3 * GB:
-                print(f"skipping {method}: MemAvailable {mem_available_bytes() / GB:.1f} GB < model + 3 GB")
-                continue
-            print(f"measuring {method} ...", flush=True)
-            result = measure(code, src, dst, *extra, pythonpath=pythonpath)
-            shutil.rmtree(dst)
-            os.sync()  # the next method starts without this one's dirty pages still being written back
+        if mem_available_bytes() < info["total_bytes"] + 3 * GB:
+            print(f"skipping the plain methods: MemAvailable {mem_available_bytes() / GB:.1f} GB < model + 3 GB")
+            methods = [m for m in methods if not m[0].startswith("load")]
+        runs: dict[str, list[dict]] = {method[0]: [] for method in methods}
+        for repeat in range(args.repeats):  # interleaved: every method sees the same machine, round by round
+            for method, code, extra, pythonpath in methods:
+                dst = work / "dst"
+                print(f"round {repeat + 1}/{args.repeats}: measuring {method} ...", flush=True)
+                warm_page_cache(src)  # every method starts with SRC in the page cache, as after a download
+                runs[method].append(measure(code, src, dst, *extra, pythonpath=pythonpath))
+                shutil.rmtree(dst)
+                os.sync()  # the next method starts without this one's dirty pages still being written back
+        for method, results in runs.items():
+            wall = statistics.median(r["wall_s"] for r in results)
+            peak = max(r["peak_rss_bytes"] for r in results)
             rows.append(
                 {
                     "method": method,
@@ -239,10 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                     "total_gb": round(info["total_bytes"] / GB, 2),
                     "num_shards": info["num_shards"],
                     "largest_shard_gb": round(info["largest_shard_bytes"] / GB, 2),
-                    "wall_s": round(result["wall_s"], 1),
-                    "mb_per_s": round(info["total_bytes"] / result["wall_s"] / 1e6),
-                    "peak_rss_gb": round(result["peak_rss_bytes"] / GB, 2),
-                    "rss_over_largest_shard": round(result["peak_rss_bytes"] / info["largest_shard_bytes"], 2),
+                    "wall_s": round(wall, 1),
+                    "wall_s_rounds": " ".join(f"{r['wall_s']:.1f}" for r in results),
+                    "mb_per_s": round(info["total_bytes"] / wall / 1e6),
+                    "peak_rss_gb": round(peak / GB, 2),
+                    "rss_over_largest_shard": round(peak / info["largest_shard_bytes"], 2),
                 }
             )
     finally:

@@ -220,3 +220,20 @@ def test_qk_norm_model_saves_as_genuine_qwen3_and_converts_back(tmp_path, ids):
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "qkmap", dtype=torch.float32).eval()
     with torch.no_grad():
         assert kl_per_token(reference, converted(ids).logits[0]).max().item() <= KL_BOUND
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"qk_mode": "qk_norm", "qkmap_input_norm": True}, "qkmap_input_norm=True needs qk_mode='qk_map'"),
+        ({"qkmap_input_norm": True, "qkmap_input_norm_power": 1.5}, "qkmap_input_norm_power=1.5"),
+        ({"qkmap_input_norm": True, "qkmap_input_norm_power": -0.1}, "in [0, 1]"),
+        ({"qkmap_input_norm": "yes"}, "qkmap_input_norm='yes'"),
+    ],
+)
+def test_input_norm_fields_are_validated(fields, fragment):
+    from qkmap_hf import QKMapConfig
+
+    with pytest.raises(ValueError) as info:
+        QKMapConfig(**tiny_config_kwargs(**fields))
+    assert fragment in str(info.value)

@@ -118,7 +118,7 @@ class _SafetensorsReader(ShardReader):
         path = self.source.directory / shard
         try:
             handle = self.stack.enter_context(self._safe_open(str(path), framework="pt", device="cpu"))
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         except Exception as error:  # safetensors raises its own error types for damaged files
             raise ConversionError(f"{path}: cannot open ({error}); the file is damaged or was replaced.") from error
         self.stack.callback(os.close, fd)

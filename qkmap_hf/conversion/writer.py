@@ -35,7 +35,11 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, er
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
-        written = os.pwrite(fd, data, offset)
+        if hasattr(os, "pwrite"):
+            written = os.pwrite(fd, data, offset)
+        else:  # pragma: no cover - Windows has no pwrite
+            os.lseek(fd, offset, os.SEEK_SET)
+            written = os.write(fd, data)
         data, offset = data[written:], offset + written
 
 
@@ -56,7 +60,11 @@ def _copy_span(span: FileSpan, fd: int, offset: int) -> None:
             if copied == 0:
                 raise ConversionError(f"source file ended {span.nbytes - done} bytes early; it was truncated.")
         else:
-            chunk = os.pread(span.fd, min(count, _COPY_CHUNK), span.offset + done)
+            if hasattr(os, "pread"):
+                chunk = os.pread(span.fd, min(count, _COPY_CHUNK), span.offset + done)
+            else:  # pragma: no cover - Windows has no pread
+                os.lseek(span.fd, span.offset + done, os.SEEK_SET)
+                chunk = os.read(span.fd, min(count, _COPY_CHUNK))
             if not chunk:
                 raise ConversionError(f"source file ended {span.nbytes - done} bytes early; it was truncated.")
             _write_at(fd, memoryview(chunk), offset + done)
@@ -92,7 +100,7 @@ def write_safetensors_streaming(
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
     try:
         position = 8 + len(encoded)
         _write_at(fd, memoryview(struct.pack("<Q", len(encoded)) + encoded), 0)
