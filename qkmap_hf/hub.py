@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from .cleanroom import run_without_qkmap_hf
+from .filenames import PICKLE_SUFFIXES, TOKENIZER_FILES
 from .safety import find_pickles, symlinks_in
 from .version import __version__
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".dill")
 IGNORE_PATTERNS = ["__pycache__/*", "**/__pycache__/*", "*.pyc", "**/*.pyc", ".DS_Store", "**/.DS_Store"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 LOAD_CHECK_TIMEOUT_S = 900
 _IMPORTS_QKMAP_HF = re.compile(r"^\s*(?:from\s+qkmap_hf[\s.]|import\s+qkmap_hf\b)", re.MULTILINE)
 

@@ -87,6 +87,20 @@ def test_pickle_checkpoint_refused_without_unpickling(tmp_path, monkeypatch):
     expect_failure(src / "pytorch_model.bin", tmp_path / "dst", "pickle")
 
 
+def test_renamed_pickle_found_by_content(pristine, tmp_path, monkeypatch):
+    """A pickle under an innocent name is still refused: as the only weights, and as a side file to copy."""
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("conversion tried to unpickle"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(LlamaConfig(**tiny_config_kwargs()).to_json_string())
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, src / "weights.data")
+    expect_failure(src, tmp_path / "dst", "weights.data", "pickle")
+
+    src = copy_source(pristine, tmp_path / "second")
+    (src / "tokenizer.model").write_bytes(pickle.dumps({"not": "a tokenizer"}))
+    expect_failure(src, tmp_path / "dst2", "tokenizer.model", "pickle")
+
+
 def test_missing_config(pristine, tmp_path):
     src = copy_source(pristine, tmp_path)
     (src / "config.json").unlink()

@@ -20,23 +20,10 @@ from typing import Any
 
 import torch
 
+from ..filenames import PICKLE_SUFFIXES, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, TOKENIZER_FILES
+from ..safety import find_pickles
 from .errors import ConversionError
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # in-memory sources (GGUF) shard like save_pretrained
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -151,22 +138,22 @@ class SafetensorsSource(TensorSource):
     def __init__(self, directory: Path):
         self.directory = directory
         self.where = str(directory)
-        index_path = directory / INDEX_NAME
+        index_path = directory / SAFETENSORS_INDEX_NAME
         if index_path.is_file():
             files, weight_map = self._read_index(index_path)
             self.sharded = True
-        elif (directory / SINGLE_NAME).is_file():
-            files, weight_map = [SINGLE_NAME], None
+        elif (directory / SAFETENSORS_SINGLE_NAME).is_file():
+            files, weight_map = [SAFETENSORS_SINGLE_NAME], None
             self.sharded = False
         else:
             refuse_pickle_only(directory)
             found = sorted(p.name for p in directory.glob("*.safetensors"))
             hint = (
-                f" (found {', '.join(found)}, but without {INDEX_NAME} they are not a transformers checkpoint)"
+                f" (found {', '.join(found)}, but without {SAFETENSORS_INDEX_NAME} they are not a transformers checkpoint)"
                 if found
                 else ""
             )
-            raise ConversionError(f"{directory}: no {SINGLE_NAME} or {INDEX_NAME}{hint}.")
+            raise ConversionError(f"{directory}: no {SAFETENSORS_SINGLE_NAME} or {SAFETENSORS_INDEX_NAME}{hint}.")
         self.shards = []
         owner: dict[str, str] = {}
         for file in files:
@@ -248,8 +235,15 @@ class StateDictSource(TensorSource):
 
 
 def refuse_pickle_only(directory: Path) -> None:
-    """Pickle checkpoints can run arbitrary code when loaded: explain and refuse, never unpickle."""
-    pickles = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
+    """Pickle checkpoints can run arbitrary code when loaded: explain and refuse, never unpickle.
+
+    Pickles are found by name and by content (a renamed ``.pt`` is still a pickle).
+    """
+    files = sorted(
+        p.name for p in directory.iterdir() if p.is_file() and not p.name.endswith((".json", ".safetensors"))
+    )
+    by_content = {name for name, _ in find_pickles(directory, files)}
+    pickles = sorted(by_content | {name for name in files if name.endswith(PICKLE_SUFFIXES)})
     if pickles:
         raise ConversionError(
             f"{directory}: only pickle checkpoint files found ({', '.join(pickles[:4])}). Pickle files can execute "
@@ -380,10 +374,6 @@ def load_gguf_causal_lm(directory: str | os.PathLike, gguf_file: str, dtype: tor
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
-    "INDEX_NAME",
-    "PICKLE_SUFFIXES",
-    "SINGLE_NAME",
-    "TOKENIZER_FILES",
     "FileSpan",
     "ResolvedSource",
     "SafetensorsSource",

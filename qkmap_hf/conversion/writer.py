@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from ..safety import check_overwrite_target
+from ..filenames import SAFETENSORS_INDEX_NAME, TOKENIZER_FILES
+from ..safety import check_overwrite_target, pickle_reason
 from .errors import ConversionError
 from .plan import ConversionPlan, PlannedTensor
-from .sources import INDEX_NAME, SAFETENSORS_DTYPES, TOKENIZER_FILES, FileSpan, TensorSource
+from .sources import SAFETENSORS_DTYPES, FileSpan, TensorSource
 
 _COPY_CHUNK = 64 * 2**20
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
@@ -208,7 +209,7 @@ def write_tensors(plan: ConversionPlan, source: TensorSource, out_dir: Path, pro
             weight_map.update({p.name: shard for p in planned})
     if plan.sharded:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        (out_dir / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
 def copy_remote_code(out_dir: Path) -> list[str]:
@@ -228,6 +229,9 @@ def copy_side_files(src_dir: Path, out_dir: Path) -> list[str]:
     copied = []
     for name in (*TOKENIZER_FILES, "generation_config.json"):
         if (src_dir / name).is_file():
+            reason = pickle_reason(src_dir / name)
+            if reason is not None:
+                raise ConversionError(f"{src_dir / name} is {reason}, not a tokenizer file; remove it (never unpickled).")
             shutil.copyfile(src_dir / name, out_dir / name)
             copied.append(name)
     return copied
