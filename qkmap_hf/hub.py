@@ -31,7 +31,16 @@ from .filenames import PICKLE_SUFFIXES, TOKENIZER_FILES
 from .safety import find_pickles, symlinks_in
 from .version import __version__
 
-IGNORE_PATTERNS = ["__pycache__/*", "**/__pycache__/*", "*.pyc", "**/*.pyc", ".DS_Store", "**/.DS_Store"]
+# checkpoint-*/: Trainer checkpoints (optimizer state, pickled RNG state) stay local, as in Trainer.push_to_hub.
+IGNORE_PATTERNS = [
+    "__pycache__/*",
+    "**/__pycache__/*",
+    "*.pyc",
+    "**/*.pyc",
+    ".DS_Store",
+    "**/.DS_Store",
+    "checkpoint-*/*",
+]
 LOAD_CHECK_TIMEOUT_S = 900
 _IMPORTS_QKMAP_HF = re.compile(r"^\s*(?:from\s+qkmap_hf[\s.]|import\s+qkmap_hf\b)", re.MULTILINE)
 

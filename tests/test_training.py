@@ -222,6 +222,18 @@ def test_loss_goes_down_on_real_text(tiny_run):
     assert record["model"]["qk_mode"] == "qk_map" and "transformers" in record["versions"]
 
 
+def test_output_folder_holds_no_pickle_and_push_skips_checkpoints(tiny_run):
+    """Train then push works: no pickle beside the weights, and Trainer checkpoints are not uploaded."""
+    from qkmap_hf.hub import files_to_upload
+    from qkmap_hf.safety import find_pickles
+
+    out, _ = tiny_run
+    assert (out / "checkpoint-30" / "trainer_state.json").is_file()
+    names = files_to_upload(out)
+    assert "model.safetensors" in names and not any(name.startswith("checkpoint-") for name in names)
+    assert find_pickles(out, names) == []
+
+
 @pytest.mark.slow
 def test_output_loads_with_trust_remote_code_and_reproduces_eval_loss(tiny_run, corpus, tmp_path):
     out, record = tiny_run

@@ -389,6 +389,10 @@ def _final_save(trainer, model, tokenizer, options: TrainOptions) -> None:
         return
     model.config.use_cache = True  # the Trainer turns the cache off for training; generation wants it
     trainer.save_model(str(output_dir))  # handles FSDP gathering and saves on the main process only
+    if trainer.is_world_process_zero():
+        # Trainer pickles its arguments beside the weights; the settings live in qkmap_training.json instead, so
+        # the folder holds no pickle and passes `qkmap push` (checkpoint-*/ keep theirs for --resume).
+        (output_dir / "training_args.bin").unlink(missing_ok=True)
 
 
 def parallel_summary(trainer) -> dict[str, Any]:
