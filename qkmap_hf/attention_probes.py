@@ -166,7 +166,12 @@ def answer_value_contrast(
             continue
         lifts, masses, sizes = [], [], []
         for example in make_needle_examples(length, examples, seed=seed, count=count, depths=depths):
-            ids, kinds = _prompt_ids(tokenizer, example, max_positions)
+            try:
+                ids, kinds = _prompt_ids(tokenizer, example, max_positions)
+            except ValueError as error:  # the evidence sits too early to cut the prompt to the model's length
+                skipped.append({"length": length, "depth": example.depth, "reason": str(error)})
+                progress(1)
+                continue
             value = torch.tensor([k == "value" for k in kinds])
             distractor = torch.tensor([k == "distractor" for k in kinds])
             distractor[0] = False  # the sink (analysis 2) must not dilute the reference
@@ -181,6 +186,8 @@ def answer_value_contrast(
             masses.append([r[:, value].sum(-1).cpu().tolist() for r in rows])
             sizes.append(len(ids))
             progress(1)
+        if not sizes:
+            continue
         lift = torch.tensor(lifts, dtype=torch.float64).mean(0)
         mass = torch.tensor(masses, dtype=torch.float64).mean(0)
         by_length[str(length)] = {
