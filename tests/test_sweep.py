@@ -56,7 +56,9 @@ def test_paired_interval_known_values():
     result = paired_interval([1.0, 2.0, 3.0])
     half = 4.303 * 1.0 / math.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
     assert (
-        result["mean"] == 2.0 and result["low"] == pytest.approx(2 - half, rel=1e-3) and result["high"] == pytest.approx(2 + half, rel=1e-3)
+        result["mean"] == 2.0
+        and result["low"] == pytest.approx(2 - half, rel=1e-3)
+        and result["high"] == pytest.approx(2 + half, rel=1e-3)
     )
     assert paired_interval([-0.5])["low"] is None and paired_interval([-0.5])["wins"] == 1
 
