@@ -105,9 +105,11 @@ def position_only_share(weights: torch.Tensor, iterations: int = 100, tolerance:
             break
     residual = row_centered(logits - effect[:, distance])
     entries, rows, distances = float(per_distance.sum()), batch * (length - 1), length - 1
-    within = centered.pow(2).sum(dim=(0, 2, 3)) / max(1.0, entries - rows)
+    within_squares = centered.pow(2).sum(dim=(0, 2, 3))
+    within = within_squares / max(1.0, entries - rows)
     unexplained = residual.pow(2).sum(dim=(0, 2, 3)) / max(1.0, entries - rows - distances)
-    share = torch.where(within > 0, 1 - unexplained / within.clamp_min(1e-300), torch.zeros_like(within))
+    varies = within_squares > 1e-12 * entries  # below: rounding residue of constant rows, nothing to explain
+    share = torch.where(varies, 1 - unexplained / within.clamp_min(1e-300), torch.zeros_like(within))
     return PerHead(share.tolist(), float(share.mean()))
 
 

@@ -146,9 +146,15 @@ def _keep_answer_row(layer, index: int, rows: list) -> Callable:
 
 @torch.no_grad()
 def answer_value_contrast(
-    model, layers: Sequence, tokenizer, lengths: Sequence[int], examples: int, seed: int,
-    max_positions: int | None, progress: Callable[[int], Any],
-) -> dict[str, Any]:  # fmt: skip
+    model,
+    layers: Sequence,
+    tokenizer,
+    lengths: Sequence[int],
+    examples: int,
+    seed: int,
+    max_positions: int | None,
+    progress: Callable[[int], Any],
+) -> dict[str, Any]:
     """Log2 lift of the needle's value tokens over distractor tokens, from the answer position, per length."""
     from .analysis import _forward
     from .tasks.needle import make_needle_examples
@@ -166,12 +172,20 @@ def answer_value_contrast(
             continue
         lifts, masses, sizes = [], [], []
         for example in make_needle_examples(length, examples, seed=seed, count=count, depths=depths):
-            ids, kinds = _prompt_ids(tokenizer, example, max_positions)
+            try:
+                ids, kinds = _prompt_ids(tokenizer, example, max_positions)
+            except ValueError as error:  # the evidence sits too early to cut the prompt to the model's length
+                skipped.append({"length": length, "depth": example.depth, "reason": str(error)})
+                progress(1)
+                continue
             value = torch.tensor([k == "value" for k in kinds])
             distractor = torch.tensor([k == "distractor" for k in kinds])
             distractor[0] = False  # the sink (analysis 2) must not dilute the reference
             rows: list[torch.Tensor | None] = [None] * len(layers)
-            handles = [layer.attention.register_forward_hook(_keep_answer_row(layer, n, rows)) for n, layer in enumerate(layers)]
+            handles = [
+                layer.attention.register_forward_hook(_keep_answer_row(layer, n, rows))
+                for n, layer in enumerate(layers)
+            ]
             try:
                 _forward(model, torch.tensor([ids], device=next(model.parameters()).device))
             finally:
@@ -181,6 +195,8 @@ def answer_value_contrast(
             masses.append([r[:, value].sum(-1).cpu().tolist() for r in rows])
             sizes.append(len(ids))
             progress(1)
+        if not sizes:
+            continue
         lift = torch.tensor(lifts, dtype=torch.float64).mean(0)
         mass = torch.tensor(masses, dtype=torch.float64).mean(0)
         by_length[str(length)] = {

@@ -61,24 +61,49 @@ CLAIMS: dict[str, list[Metric]] = {
         Metric("train_loss", "train loss, last 20 % of steps", lambda d: d["train_loss"], -1),
     ],
     "2. preserves sensitivity to input scale (token-specific)": [
-        Metric("key_scale_abs", "|attention mass change| of a token whose key is scaled x2",
-               lambda d: d["key_scale_sensitivity"]["mean_abs_change"], +1, ("qk_norm",)),  # fmt: skip
-        Metric("key_scale_gain", "signed attention mass gained by that token",
-               lambda d: d["key_scale_sensitivity"]["mean_gain"], 0),  # fmt: skip
-        Metric("temperature_x2", "TV change when all q/k inputs are scaled x2 (temperature test)",
-               lambda d: d["scale_sensitivity"]["mean"]["2"], 0),  # fmt: skip
+        Metric(
+            "key_scale_abs",
+            "|attention mass change| of a token whose key is scaled x2",
+            lambda d: d["key_scale_sensitivity"]["mean_abs_change"],
+            +1,
+            ("qk_norm",),
+        ),
+        Metric(
+            "key_scale_gain",
+            "signed attention mass gained by that token",
+            lambda d: d["key_scale_sensitivity"]["mean_gain"],
+            0,
+        ),
+        Metric(
+            "temperature_x2",
+            "TV change when all q/k inputs are scaled x2 (temperature test)",
+            lambda d: d["scale_sensitivity"]["mean"]["2"],
+            0,
+        ),
     ],
     "3. less attention on the first token": [
         Metric("first_token_mass", "attention mass on token 0", lambda d: d["first_token_mass"]["mean"], -1),
         Metric("attention_distance", "mean attention distance (tokens)", lambda d: d["attention_distance"]["mean"], 0),
-        Metric("position_share", "position-only share of logit variance",
-               lambda d: d["position_only_share"]["mean"], 0),  # fmt: skip
+        Metric(
+            "position_share", "position-only share of logit variance", lambda d: d["position_only_share"]["mean"], 0
+        ),
     ],
     "4. stronger attention contrast on relevant evidence": [
-        *(Metric(f"answer_lift_{n}", f"log2 lift answer -> value tokens, {n} tokens", _contrast("answer_contrast", n), +1)
-          for n in CONTEXT_LENGTHS),  # fmt: skip
-        *(Metric(f"question_lift_{n}", f"log2 lift question -> evidence tokens, {n} tokens",
-                 _contrast("evidence_contrast", n), 0) for n in CONTEXT_LENGTHS),  # fmt: skip
+        *(
+            Metric(
+                f"answer_lift_{n}", f"log2 lift answer -> value tokens, {n} tokens", _contrast("answer_contrast", n), +1
+            )
+            for n in CONTEXT_LENGTHS
+        ),
+        *(
+            Metric(
+                f"question_lift_{n}",
+                f"log2 lift question -> evidence tokens, {n} tokens",
+                _contrast("evidence_contrast", n),
+                0,
+            )
+            for n in CONTEXT_LENGTHS
+        ),
     ],
 }
 
@@ -91,8 +116,9 @@ CLAIMS: dict[str, list[Metric]] = {
 def _settings():
     from .analysis import AnalysisSettings
 
-    return AnalysisSettings(scales=(2.0,), max_tokens=256, num_windows=4, context_lengths=CONTEXT_LENGTHS,
-                            needle_examples=4, seed=0)  # fmt: skip
+    return AnalysisSettings(
+        scales=(2.0,), max_tokens=256, num_windows=4, context_lengths=CONTEXT_LENGTHS, needle_examples=4, seed=0
+    )
 
 
 def _init_model(folder: Path, seed: int):
@@ -202,12 +228,17 @@ def claims_markdown(tables: dict[str, dict[str, dict]], verdicts: dict[str, str]
             ]
             for arm, row in table.items():
                 mean = f"{row['mean']:.4g}" if row["mean"] is not None else ""
-                lines.append(f"| {arm} | {mean} | {len(row['per_seed'])} | {_cell(row.get('vs_qk_norm'))} "
-                             f"| {_cell(row.get('vs_standard'))} |")  # fmt: skip
+                lines.append(
+                    f"| {arm} | {mean} | {len(row['per_seed'])} | {_cell(row.get('vs_qk_norm'))} "
+                    f"| {_cell(row.get('vs_standard'))} |"
+                )
             lines.append("")
-    lines += ["### At initialisation (first report seed, untrained)", "",
-              "| arm | first-token mass | attention distance | position-only share | key-scale abs change |",
-              "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "### At initialisation (first report seed, untrained)",
+        "",
+        "| arm | first-token mass | attention distance | position-only share | key-scale abs change |",
+        "|---|---|---|---|---|",
+    ]
     for arm, data in at_init.items():
         lines.append(
             f"| {arm} | {data['first_token_mass']['mean']:.4g} | {data['attention_distance']['mean']:.4g} "
@@ -260,16 +291,28 @@ def plot_claims(results: dict[str, dict], tables: dict[str, dict], arms: list[st
     ):
         figure, axis = _figure()
         for n, arm in enumerate(arms):
-            runs = [d for k, d in results.items() if k.split("/")[0] == arm and (k.endswith("/init") == (kind == "init"))]
+            runs = [
+                d for k, d in results.items() if k.split("/")[0] == arm and (k.endswith("/init") == (kind == "init"))
+            ]
             if not runs:
                 continue
             per_model = [_layer_mean(r["attention_distance"]["bucket_mass"]) for r in runs]
             buckets = [statistics.fmean(m[i] for m in per_model) for i in range(len(per_model[0]))]
             edges = runs[0]["attention_distance"]["bucket_edges"]
-            axis.plot(range(len(buckets)), buckets, marker="o", label=arm, color=f"C{n % 10}",
-                      linestyle="-" if n < 10 else "--")  # fmt: skip
-        axis.set_xticks(range(len(edges) - 1), [f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in zip(edges[:-1], edges[1:], strict=True)],
-                        rotation=35, fontsize=7)  # fmt: skip
+            axis.plot(
+                range(len(buckets)),
+                buckets,
+                marker="o",
+                label=arm,
+                color=f"C{n % 10}",
+                linestyle="-" if n < 10 else "--",
+            )
+        axis.set_xticks(
+            range(len(edges) - 1),
+            [f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in zip(edges[:-1], edges[1:], strict=True)],
+            rotation=35,
+            fontsize=7,
+        )
         axis.set_xlabel("distance t - s (tokens)")
         axis.set_ylabel("attention mass (mean over queries, heads, layers)")
         axis.set_title(title, fontsize=10)

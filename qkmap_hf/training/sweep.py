@@ -20,6 +20,7 @@ the seeds and block fingerprints of both splits), ``summary.md``, ``validation_l
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import itertools
 import json
@@ -38,9 +39,6 @@ SWEEP_FORMAT = "qkmap-sweep/1"
 SWEEP_CSV_FIELDS = ("arm", "phase", "setting", "seed", "step", "split", "loss")
 QK_LR_KNOB = "qkmap_lr_multiplier"
 DEFAULT_SETTING = "default"
-# Two-sided 95 % Student t quantiles t(0.975, df) for df = 1..30 (beyond: the normal 1.96 is within 2 %).
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
 
 
 @dataclass
@@ -139,8 +137,21 @@ def block_fingerprints(dataset) -> list[str]:
     return [hashlib.sha1(block.numpy().tobytes()).hexdigest()[:12] for block in dataset.blocks]
 
 
+@functools.lru_cache(maxsize=64)
 def t_quantile_975(df: int) -> float:
-    return T_975[df - 1] if df <= len(T_975) else 1.96
+    """Student t quantile t(0.975, df), by bisection on the density integrated with Simpson's rule (no scipy)."""
+    norm = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def mass(x: float, n: int = 2000) -> float:  # P(0 < T < x)
+        h = x / n
+        f = [norm * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    low, high = 0.0, 100.0
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if mass(middle) < 0.475 else (low, middle)
+    return (low + high) / 2
 
 
 def paired_interval(differences: list[float]) -> dict[str, Any]:
@@ -162,7 +173,10 @@ def _read(path: Path) -> list[dict]:
     if not path.exists():
         return []
     with path.open() as handle:
-        return [{**r, "seed": int(r["seed"]), "step": int(r["step"]), "loss": float(r["loss"])} for r in csv.DictReader(handle)]
+        return [
+            {**r, "seed": int(r["seed"]), "step": int(r["step"]), "loss": float(r["loss"])}
+            for r in csv.DictReader(handle)
+        ]
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -175,8 +189,17 @@ def _history_rows(arm: str, phase: str, setting: str, seed: int, history: list[d
     for entry in history:
         for key, split in (("loss", "train"), ("eval_loss", "validation")):
             if key in entry:
-                rows.append({"arm": arm, "phase": phase, "setting": setting, "seed": seed, "step": int(entry["step"]),
-                             "split": split, "loss": float(entry[key])})  # fmt: skip
+                rows.append(
+                    {
+                        "arm": arm,
+                        "phase": phase,
+                        "setting": setting,
+                        "seed": seed,
+                        "step": int(entry["step"]),
+                        "split": split,
+                        "loss": float(entry[key]),
+                    }
+                )
     return rows
 
 
@@ -220,11 +243,21 @@ def run_sweep(sweep: SweepOptions) -> dict:
         nonlocal rows
         if (variant.label, phase, setting, seed) in _final(rows, options.steps):
             return
-        rows = [r for r in rows if (r["arm"], r["phase"], r["setting"], r["seed"]) != (variant.label, phase, setting, seed)]
+        rows = [
+            r for r in rows if (r["arm"], r["phase"], r["setting"], r["seed"]) != (variant.label, phase, setting, seed)
+        ]
         started = time.time()
         result = train_run(
-            options, variant, seed, (train_set, split, stats), tokenizer, folder, block_size=block_size,
-            eval_steps=eval_steps, logging_steps=logging_steps, save=save,
+            options,
+            variant,
+            seed,
+            (train_set, split, stats),
+            tokenizer,
+            folder,
+            block_size=block_size,
+            eval_steps=eval_steps,
+            logging_steps=logging_steps,
+            save=save,
         )
         timing[f"{variant.label}/{phase}/{setting}/{seed}"] = time.time() - started
         rows += _history_rows(variant.label, phase, setting, seed, result.log_history)
@@ -237,31 +270,68 @@ def run_sweep(sweep: SweepOptions) -> dict:
         for point in points if len(points) > 1 else []:
             for seed in sweep.tuning_seeds:
                 folder = out / "runs" / "tune" / f"{variant.label}-{setting_id(point)}-seed{seed}"
-                run(apply_point(variant, point), "tune", setting_id(point), seed, tune_split, options.steps, folder, False)
+                run(
+                    apply_point(variant, point),
+                    "tune",
+                    setting_id(point),
+                    seed,
+                    tune_split,
+                    options.steps,
+                    folder,
+                    False,
+                )
         finals = _final(rows, options.steps)
         means = {
-            setting_id(p): statistics.fmean(finals[(variant.label, "tune", setting_id(p), s)] for s in sweep.tuning_seeds)
+            setting_id(p): statistics.fmean(
+                finals[(variant.label, "tune", setting_id(p), s)] for s in sweep.tuning_seeds
+            )
             for p in points
             if len(points) > 1
         }
-        choices[variant.label] = points[0] if len(points) == 1 else min(points, key=lambda p: _rank(means[setting_id(p)]))
+        choices[variant.label] = (
+            points[0] if len(points) == 1 else min(points, key=lambda p: _rank(means[setting_id(p)]))
+        )
     for seed in sweep.report_seeds:  # 2. report: each arm's choice on fresh seeds and the report split
         for variant in options.variants:
             point = choices[variant.label]
             folder = out / ("models" if sweep.save_models else "runs/report") / variant.label / f"seed{seed}"
-            run(apply_point(variant, point), "report", setting_id(point), seed, report_split, report_eval_steps, folder,
-                sweep.save_models)  # fmt: skip
+            run(
+                apply_point(variant, point),
+                "report",
+                setting_id(point),
+                seed,
+                report_split,
+                report_eval_steps,
+                folder,
+                sweep.save_models,
+            )
     summary = summarize_sweep(rows, sweep, grids, choices, timing)
     summary["splits"] = {
-        "tuning": {"seeds": sweep.tuning_seeds, "blocks": len(tune_split), "block_sha1": block_fingerprints(tune_split)},
-        "report": {"seeds": sweep.report_seeds, "blocks": len(report_split), "block_sha1": block_fingerprints(report_split)},
+        "tuning": {
+            "seeds": sweep.tuning_seeds,
+            "blocks": len(tune_split),
+            "block_sha1": block_fingerprints(tune_split),
+        },
+        "report": {
+            "seeds": sweep.report_seeds,
+            "blocks": len(report_split),
+            "block_sha1": block_fingerprints(report_split),
+        },
     }
     summary["settings"] = {
-        "preset": options.preset, "steps": options.steps, "block_size": block_size, "batch_size": options.batch_size,
-        "learning_rate": options.learning_rate, "qkmap_lr_multiplier": options.qkmap_lr_multiplier,
-        "weight_decay": options.weight_decay, "warmup": options.warmup, "config": options.config,
-        "tune": sweep.tune, "data_stats": stats.to_dict(), "train_blocks": len(train_set),
-    }  # fmt: skip
+        "preset": options.preset,
+        "steps": options.steps,
+        "block_size": block_size,
+        "batch_size": options.batch_size,
+        "learning_rate": options.learning_rate,
+        "qkmap_lr_multiplier": options.qkmap_lr_multiplier,
+        "weight_decay": options.weight_decay,
+        "warmup": options.warmup,
+        "config": options.config,
+        "tune": sweep.tune,
+        "data_stats": stats.to_dict(),
+        "train_blocks": len(train_set),
+    }
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     plot_validation(rows, labels, out / "validation_loss.png")
@@ -275,8 +345,15 @@ def run_sweep(sweep: SweepOptions) -> dict:
 
 def _train_tail(rows: list[dict], arm: str, seed: int, steps: int) -> float | None:
     """Mean logged train loss over the last 20 % of a report run (one logged batch is too noisy)."""
-    tail = [r["loss"] for r in rows if r["arm"] == arm and r["phase"] == "report" and r["seed"] == seed
-            and r["split"] == "train" and r["step"] > 0.8 * steps]  # fmt: skip
+    tail = [
+        r["loss"]
+        for r in rows
+        if r["arm"] == arm
+        and r["phase"] == "report"
+        and r["seed"] == seed
+        and r["split"] == "train"
+        and r["step"] > 0.8 * steps
+    ]
     return statistics.fmean(tail) if tail else None
 
 
@@ -293,8 +370,11 @@ def summarize_sweep(rows: list[dict], sweep: SweepOptions, grids: dict, choices:
             for p in points
             if len(points) > 1
         }
-        report = {s: finals[(variant.label, "report", chosen, s)] for s in sweep.report_seeds
-                  if (variant.label, "report", chosen, s) in finals}  # fmt: skip
+        report = {
+            s: finals[(variant.label, "report", chosen, s)]
+            for s in sweep.report_seeds
+            if (variant.label, "report", chosen, s) in finals
+        }
         train_tail = {s: _train_tail(rows, variant.label, s, steps) for s in report}
         seconds = [v for k, v in timing.items() if k.startswith(f"{variant.label}/")]
         arms[variant.label] = {
@@ -323,8 +403,12 @@ def summarize_sweep(rows: list[dict], sweep: SweepOptions, grids: dict, choices:
             if seeds:
                 diffs = [arms[a]["report_losses"][s] - arms[b]["report_losses"][s] for s in seeds]
                 paired[a][b] = {**paired_interval(diffs), "per_seed": dict(zip(seeds, diffs, strict=True))}
-    return {"format": SWEEP_FORMAT, "metric": f"validation loss at step {steps} (nats/token)", "arms": arms,
-            "paired": paired}  # fmt: skip
+    return {
+        "format": SWEEP_FORMAT,
+        "metric": f"validation loss at step {steps} (nats/token)",
+        "arms": arms,
+        "paired": paired,
+    }
 
 
 def _interval(entry: dict | None) -> str:

@@ -425,7 +425,8 @@ def _activation_checkpointing(model) -> bool:
 def _write_provenance(path: Path, options: TrainOptions, resolved: dict, data: DataStats, model, result: TrainResult,
                       parallel: dict, resumed_from: str | None) -> None:
     config = getattr(model, "config", None)
-    groups = {name: sum(p.numel() for _, p in members) for name, members in classify_parameters(model).items()}
+    grouped = classify_parameters(model, qk_norm_in_qk_group=options.qk_norm_in_qk_group)
+    groups = {name: sum(p.numel() for _, p in members) for name, members in grouped.items()}
     record = {
         "command": "qkmap train",
         "options": asdict(options),
