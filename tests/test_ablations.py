@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -131,6 +133,10 @@ def test_prior_model_saves_reloads_and_caches(tmp_path):
     model = build("qk_norm", qk_position_prior="constant")
     assert model.config.query_key_dim == 2 * model.config.head_dim
     model.save_pretrained(tmp_path)
+    # trust_remote_code checkpoints carry the prior's module beside modeling_qkmap.py (it imports it relatively)
+    import qkmap_hf.modeling.position_prior as source
+
+    assert (tmp_path / "position_prior.py").read_text() == Path(source.__file__).read_text()
     again = QKMapForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     x = ids(batch=1)
     with torch.no_grad():
