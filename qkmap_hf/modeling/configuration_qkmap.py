@@ -126,8 +126,8 @@ class QKMapConfig(LlamaConfig):
             if "float" not in str(annotation):
                 continue
             value = getattr(self, name, None)
-            if value is None and "None" in str(annotation):
-                continue
+            if (value is None and "None" in str(annotation)) or value == "auto":
+                continue  # "auto" is left only where the width m is invalid, which validate_qkmap names
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"QKMapConfig.{name}={value!r} is invalid; it must be a number ({annotation}).")
             if not math.isfinite(value):
