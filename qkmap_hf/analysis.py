@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,15 @@ import torch
 from torch import nn
 
 from . import attention_probes as probes
+from .analysis_plots import plot_comparison, plot_model
+from .attention_probes import (
+    AttentionLayer,
+    attention_layers,
+    attention_weights,
+    forward_without_cache,
+    prepended_bos_id,
+    use_eager_attention,
+)
 from .fileio import atomic_write_json
 from .phases import describe, phase_magnitudes, quantiles, regime_from_roles
 
@@ -64,54 +72,6 @@ class AnalysisSettings:
             raise ValueError(f"context_lengths={self.context_lengths}: each must be at least 32 tokens.")
 
 
-@dataclass
-class _Layer:
-    index: int
-    attention: nn.Module
-    q_proj: nn.Module
-    k_proj: nn.Module
-    feature_map: nn.Module | None = None
-    extra: dict = field(default_factory=dict)
-
-
-def attention_layers(model: nn.Module) -> list[_Layer]:
-    """Attention modules with separate ``q_proj``/``k_proj`` (Llama family, QK-MAP), in layer order."""
-    layers = []
-    for module in model.modules():
-        q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
-        if isinstance(q_proj, nn.Module) and isinstance(k_proj, nn.Module):
-            feature_map = getattr(module, "qk_map", None)
-            if feature_map is not None and not callable(getattr(feature_map, "frequency", None)):
-                feature_map = None
-            layers.append(_Layer(len(layers), module, q_proj, k_proj, feature_map))
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} has no attention modules with separate q_proj and k_proj; the analysis supports "
-            "Llama-family and QK-MAP models (fused-QKV architectures such as GPT-2 are not supported)."
-        )
-    return layers
-
-
-def _use_eager(model: nn.Module) -> None:
-    """Attention weights only come out of the eager kernel."""
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "_attn_implementation", "eager") != "eager":
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("eager")
-        else:  # pragma: no cover - older transformers
-            config._attn_implementation = "eager"
-
-
-def _weights(output: Any, layer: _Layer) -> torch.Tensor:
-    weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-    if weights is None:
-        raise RuntimeError(
-            f"Attention layer {layer.index} ({type(layer.attention).__name__}) returned no attention weights; load the "
-            "model with attn_implementation='eager'."
-        )
-    return weights.float()
-
-
 def _scale_hook(factor: float) -> Callable:
     def hook(_module, _inputs, output):
         return output * factor
@@ -119,24 +79,13 @@ def _scale_hook(factor: float) -> Callable:
     return hook
 
 
-@torch.no_grad()
-def _forward(model: nn.Module, input_ids: torch.Tensor) -> None:
-    model(input_ids=input_ids, use_cache=False)
-
-
-def _bos_id(tokenizer) -> int | None:
-    """The BOS id if the tokenizer puts one in front of text by itself (then the analysis does too)."""
-    bos = tokenizer.bos_token_id
-    return bos if bos is not None and tokenizer("a").input_ids[:1] == [bos] else None
-
-
 def _contrast_hook(
-    layer: _Layer, question: torch.Tensor, evidence: torch.Tensor, distractor: torch.Tensor, lifts: list, masses: list
+    layer: AttentionLayer, question: torch.Tensor, evidence: torch.Tensor, distractor: torch.Tensor, lifts: list, masses: list
 ) -> Callable:
     """Hook: reduce the question rows of one layer to per-head log2 lift and evidence mass, keep nothing else."""
 
     def hook(_module, _inputs, output):
-        rows = _weights(output, layer)[0][:, question]  # (heads, question tokens, keys)
+        rows = attention_weights(output, layer)[0][:, question]  # (heads, question tokens, keys)
         e_mass = rows[..., evidence].sum(-1)
         d_mass = rows[..., distractor].sum(-1)
         lift = (e_mass / evidence.sum()) / (d_mass / distractor.sum()).clamp_min(1e-30)
@@ -158,7 +107,7 @@ def _quantiles(values: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _phase_stats(layer: _Layer, z: torch.Tensor) -> dict[str, float]:
+def _phase_stats(layer: AttentionLayer, z: torch.Tensor) -> dict[str, float]:
     """``|omega * z|`` over tokens, heads, frequencies and channels (``qkmap_hf.phases``, the one definition)."""
     m = getattr(layer.attention, "projection_dim", None) or z.shape[-1] // layer.feature_map.frequency().shape[0]
     return quantiles(phase_magnitudes(z, layer.feature_map.frequency(), m))
@@ -170,7 +119,7 @@ def _regime(layer_phases: list[dict]) -> str:
 
 def _windows(tokenizer, text: str, settings: AnalysisSettings) -> tuple[torch.Tensor, bool]:
     """``num_windows`` consecutive windows of ``max_tokens``; each starts with BOS when the tokenizer adds one."""
-    bos = _bos_id(tokenizer)
+    bos = prepended_bos_id(tokenizer)
     ids = tokenizer(text, add_special_tokens=False).input_ids
     body = settings.max_tokens - (1 if bos is not None else 0)
     count = min(settings.num_windows, len(ids) // body)
@@ -183,7 +132,7 @@ def _windows(tokenizer, text: str, settings: AnalysisSettings) -> tuple[torch.Te
     return torch.tensor(rows), bos is not None
 
 
-def _capture_all(model: nn.Module, layers: list[_Layer], input_ids: torch.Tensor, with_phase: bool) -> tuple[list, dict]:
+def _capture_all(model: nn.Module, layers: list[AttentionLayer], input_ids: torch.Tensor, with_phase: bool) -> tuple[list, dict]:
     """Unscaled attention of every layer, each attention module's inputs, and the q/k projections of QK-MAP layers."""
     attentions: list[torch.Tensor | None] = [None] * len(layers)
     projections: dict[tuple[int, str], torch.Tensor] = {}
@@ -191,7 +140,7 @@ def _capture_all(model: nn.Module, layers: list[_Layer], input_ids: torch.Tensor
     for layer in layers:
 
         def grab(_m, _i, output, layer=layer):
-            attentions[layer.index] = _weights(output, layer)
+            attentions[layer.index] = attention_weights(output, layer)
 
         def inputs(_m, args, kwargs, layer=layer):
             layer.extra["inputs"] = (args, kwargs)
@@ -206,7 +155,7 @@ def _capture_all(model: nn.Module, layers: list[_Layer], input_ids: torch.Tensor
 
                 handles.append(proj.register_forward_hook(keep))
     try:
-        _forward(model, input_ids)
+        forward_without_cache(model, input_ids)
     finally:
         for handle in handles:
             handle.remove()
@@ -214,7 +163,7 @@ def _capture_all(model: nn.Module, layers: list[_Layer], input_ids: torch.Tensor
 
 
 @torch.no_grad()
-def scale_sensitivity(layers: list[_Layer], baseline: list[torch.Tensor], scales, progress) -> dict:
+def scale_sensitivity(layers: list[AttentionLayer], baseline: list[torch.Tensor], scales, progress) -> dict:
     """Analysis 1: total-variation distance of attention rows under rescaled ``q_proj``/``k_proj`` outputs.
 
     Each attention module is called again on the inputs it received in the unscaled pass, with its projections
@@ -230,7 +179,7 @@ def scale_sensitivity(layers: list[_Layer], baseline: list[torch.Tensor], scales
                 layer.k_proj.register_forward_hook(_scale_hook(scale)),
             ]
             try:
-                weights = _weights(layer.attention(*args, **kwargs), layer)
+                weights = attention_weights(layer.attention(*args, **kwargs), layer)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -268,7 +217,7 @@ def first_token_mass(baseline: list[torch.Tensor], first_is_bos: bool) -> dict:
 
 def _needle_ids(tokenizer, example) -> tuple[list[int], list[str]]:
     """Token ids of a needle prompt segment by segment, and the kind of every position."""
-    bos = _bos_id(tokenizer)
+    bos = prepended_bos_id(tokenizer)
     ids: list[int] = [bos] if bos is not None else []
     kinds: list[str] = ["bos"] if bos is not None else []
     for kind, text in example.segments:
@@ -312,7 +261,7 @@ def evidence_contrast(model, layers, tokenizer, settings: AnalysisSettings, max_
                 for layer in layers
             ]
             try:
-                _forward(model, torch.tensor([ids]))
+                forward_without_cache(model, torch.tensor([ids]))
             finally:
                 for handle in handles:
                     handle.remove()
@@ -375,7 +324,7 @@ def analyze_model(
 
     settings = settings or AnalysisSettings()
     model.eval()
-    _use_eager(model)
+    use_eager_attention(model)
     layers = attention_layers(model)
     input_ids, first_is_bos = _windows(tokenizer, text if text is not None else _default_text(), settings)
     device = next(model.parameters()).device
@@ -443,142 +392,6 @@ def load_for_analysis(path: str | Path, *, trust_remote_code: bool = False, dtyp
     except (OSError, ValueError) as error:
         raise ValueError(f"{path} has no loadable tokenizer ({error}); the analysis needs one next to the weights.") from error
     return model.to(device).eval(), tokenizer
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _heatmaps(path: Path, title: str, panels: list[tuple[str, list[list[float]]]], *, diverging: bool = False) -> None:
-    """One layer x head heatmap per panel, values written in the cells when there is room."""
-    plt = _plt()
-    values = [v for _, rows in panels for r in rows for v in r]
-    vmax = max(abs(v) for v in values) or 1.0
-    vmin = -vmax if diverging else min(0.0, min(values))
-    layers, heads = len(panels[0][1]), len(panels[0][1][0])
-    width = 1.5 + len(panels) * (0.9 + 0.45 * heads)
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, 1.6 + 0.3 * layers), squeeze=False, layout="constrained")
-    image = None
-    for index, (ax, (name, rows)) in enumerate(zip(axes[0], panels, strict=True)):
-        image = ax.imshow(rows, aspect="auto", cmap="RdBu_r" if diverging else "viridis", vmin=vmin, vmax=vmax, origin="lower")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("head")
-        if index == 0:
-            ax.set_ylabel("layer")
-        ax.set_xticks(range(heads))
-        ax.set_yticks(range(layers))
-        ax.tick_params(labelsize=6)
-        if layers * heads <= 64:
-            for i, row in enumerate(rows):
-                for j, v in enumerate(row):
-                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=5, color="white")
-    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
-    fig.suptitle(title, fontsize=10)
-    _save(fig, path)
-
-
-def _lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple], *, xlog: bool = False) -> None:
-    """Line plot; a series is ``(xs, ys)`` or ``(xs, ys, matplotlib style kwargs)``."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ticks: set = set()
-    for name, (xs, ys, *style) in series.items():
-        ax.plot(xs, ys, marker="o", label=name, **(style[0] if style else {}))
-        ticks.update(xs)
-    if xlog:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(ticks))
-    ax.set_xticklabels([f"{t:g}" for t in sorted(ticks)], fontsize=8)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    _save(fig, path)
-
-
-def _save(fig, path: Path) -> None:
-    plt = _plt()
-    fig.savefig(path.with_suffix(".tmp.png"), dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(path.with_suffix(".tmp.png"), path)
-
-
-def plot_model(result: dict, folder: Path, relative_to: Path) -> dict[str, str]:
-    """Per-model PNGs (layer x head heatmaps); returns {name: path relative to ``relative_to``}."""
-    folder.mkdir(parents=True, exist_ok=True)
-    label, plots = result["label"], {}
-    scale = result["scale_sensitivity"]
-    path = folder / "scale_sensitivity.png"
-    _heatmaps(path, f"{label}: attention change (TV) when q/k inputs are scaled", [(f"x{s}", rows) for s, rows in scale["per_head"].items()])
-    plots["scale_sensitivity"] = path
-    path = folder / "first_token_mass.png"
-    _heatmaps(path, f"{label}: attention mass on the first token", [("first-token mass", result["first_token_mass"]["per_head"])])
-    plots["first_token_mass"] = path
-    contrast = result["evidence_contrast"]["by_length"]
-    if contrast:
-        path = folder / "evidence_contrast.png"
-        panels = [(f"{v['tokens_mean']} tokens", v["per_head_log2_lift"]) for v in contrast.values()]
-        _heatmaps(path, f"{label}: log2 evidence/distractor attention per token", panels, diverging=True)
-        plots["evidence_contrast"] = path
-    if result.get("phase"):
-        path = folder / "phase.png"
-        layers = result["phase"]["layers"]
-        xs = [p["layer"] for p in layers]
-        _lines(
-            path,
-            f"{label}: typical phase |omega z| per layer",
-            "layer",
-            "phase (rad)",
-            {f"{side} {stat}": (xs, [p[side][stat] for p in layers]) for side in ("query", "key") for stat in ("median", "p90")},
-        )
-        plots["phase"] = path
-    return {name: p.relative_to(relative_to).as_posix() for name, p in plots.items()}
-
-
-def plot_comparison(results: list[dict], folder: Path) -> dict[str, str]:
-    """Per-layer and per-length curves of every model on shared axes."""
-    plots = {}
-    largest = _key(max(results[0]["scale_sensitivity"]["scales"], key=lambda s: abs(math.log(s))))
-    path = folder / "comparison_scale_sensitivity.png"
-    _lines(
-        path,
-        f"attention change (TV) at input scale x{largest}, mean over heads",
-        "layer",
-        "total variation",
-        {r["label"]: (list(range(r["num_layers"])), r["scale_sensitivity"]["layer_mean"][largest]) for r in results},
-    )
-    plots["scale_sensitivity"] = path.name
-    path = folder / "comparison_first_token_mass.png"
-    _lines(
-        path,
-        "attention mass on the first token, mean over heads",
-        "layer",
-        "mass",
-        {r["label"]: (list(range(r["num_layers"])), r["first_token_mass"]["layer_mean"]) for r in results},
-    )
-    plots["first_token_mass"] = path.name
-    if all(r["evidence_contrast"]["by_length"] for r in results):
-        path = folder / "comparison_evidence_contrast.png"
-        series = {}
-        for number, r in enumerate(results):
-            by_length = r["evidence_contrast"]["by_length"]
-            xs = [v["tokens_mean"] for v in by_length.values()]
-            color = f"C{number % 10}"
-            series[f"{r['label']} (mean head)"] = (xs, [v["mean_log2_lift"] for v in by_length.values()], {"color": color})
-            series[f"{r['label']} (best head)"] = (
-                xs,
-                [v["max_head_log2_lift"] for v in by_length.values()],
-                {"color": color, "linestyle": "--"},
-            )
-        _lines(path, "evidence contrast by context length", "context tokens", "log2 lift", series, xlog=True)
-        plots["evidence_contrast"] = path.name
-    return plots
 
 
 def _unique_labels(paths: Sequence[str | Path]) -> list[str]:

@@ -19,14 +19,79 @@ module's inputs in ``layer.extra["inputs"]`` and its weights in ``baseline``:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from .attention_measures import attention_distance, log2_lift, position_only_share, token_mass_change
 
 KEY_SCALE_FACTOR = 2.0
 KEY_SCALE_TOKENS = 16
+
+
+@dataclass
+class AttentionLayer:
+    """One attention module with its q/k projections (and QK-MAP feature map), as the probes see it."""
+
+    index: int
+    attention: nn.Module
+    q_proj: nn.Module
+    k_proj: nn.Module
+    feature_map: nn.Module | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def attention_layers(model: nn.Module) -> list[AttentionLayer]:
+    """Attention modules with separate ``q_proj``/``k_proj`` (Llama family, QK-MAP), in layer order."""
+    layers = []
+    for module in model.modules():
+        q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+        if isinstance(q_proj, nn.Module) and isinstance(k_proj, nn.Module):
+            feature_map = getattr(module, "qk_map", None)
+            if feature_map is not None and not callable(getattr(feature_map, "frequency", None)):
+                feature_map = None
+            layers.append(AttentionLayer(len(layers), module, q_proj, k_proj, feature_map))
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules with separate q_proj and k_proj; the analysis supports "
+            "Llama-family and QK-MAP models (fused-QKV architectures such as GPT-2 are not supported)."
+        )
+    return layers
+
+
+def use_eager_attention(model: nn.Module) -> None:
+    """Attention weights only come out of the eager kernel."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", "eager") != "eager":
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("eager")
+        else:  # pragma: no cover - older transformers
+            config._attn_implementation = "eager"
+
+
+def attention_weights(output: Any, layer: AttentionLayer) -> torch.Tensor:
+    """The attention probabilities an eager attention module returned, in float32."""
+    weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+    if weights is None:
+        raise RuntimeError(
+            f"Attention layer {layer.index} ({type(layer.attention).__name__}) returned no attention weights; load the "
+            "model with attn_implementation='eager'."
+        )
+    return weights.float()
+
+
+@torch.no_grad()
+def forward_without_cache(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """One forward pass whose hooks collect what a probe needs (no cache, no gradients)."""
+    model(input_ids=input_ids, use_cache=False)
+
+
+def prepended_bos_id(tokenizer) -> int | None:
+    """The BOS id if the tokenizer puts one in front of text by itself (then the analysis does too)."""
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and tokenizer("a").input_ids[:1] == [bos] else None
 
 
 def pattern_measures(baseline: list[torch.Tensor]) -> dict[str, Any]:
@@ -62,8 +127,6 @@ def key_scale_sensitivity(
     layers: Sequence, baseline: list[torch.Tensor], progress: Callable[[int], Any], factor: float = KEY_SCALE_FACTOR
 ) -> dict[str, Any]:
     """Attention mass one token gains when only its key projection is scaled by ``factor`` (see module doc)."""
-    from .analysis import _weights
-
     positions = key_positions(baseline[0].shape[-1])
     signed, absolute = [], []
     for layer in layers:
@@ -78,7 +141,7 @@ def key_scale_sensitivity(
 
             handle = layer.k_proj.register_forward_hook(scale_one)
             try:
-                changed = _weights(layer.attention(*args, **kwargs), layer)
+                changed = attention_weights(layer.attention(*args, **kwargs), layer)
             finally:
                 handle.remove()
             base = baseline[layer.index]
@@ -110,8 +173,6 @@ def _prompt_ids(tokenizer, example, max_positions: int | None) -> tuple[list[int
     A prompt longer than ``max_positions`` loses distractor tokens from its start, so the answer position and
     the evidence always stay in.
     """
-    from .analysis import _bos_id
-
     head, _, tail = example.evidence.partition(example.answer)
     segments = [(k, t) for k, t in example.segments if k != "evidence"]
     at = [k for k, _ in example.segments].index("evidence")
@@ -122,7 +183,7 @@ def _prompt_ids(tokenizer, example, max_positions: int | None) -> tuple[list[int
         piece = tokenizer(text, add_special_tokens=False).input_ids
         ids += piece
         kinds += [kind] * len(piece)
-    bos = _bos_id(tokenizer)
+    bos = prepended_bos_id(tokenizer)
     limit = None if max_positions is None else max_positions - (bos is not None)
     if limit is not None and len(ids) > limit:
         cut = len(ids) - limit
@@ -136,10 +197,9 @@ def _prompt_ids(tokenizer, example, max_positions: int | None) -> tuple[list[int
 
 def _keep_answer_row(layer, index: int, rows: list) -> Callable:
     """Hook: keep the attention row of the last position (the answer position), ``(heads, keys)``."""
-    from .analysis import _weights
 
     def hook(_module, _inputs, output) -> None:
-        rows[index] = _weights(output, layer)[0, :, -1]
+        rows[index] = attention_weights(output, layer)[0, :, -1]
 
     return hook
 
@@ -156,7 +216,6 @@ def answer_value_contrast(
     progress: Callable[[int], Any],
 ) -> dict[str, Any]:
     """Log2 lift of the needle's value tokens over distractor tokens, from the answer position, per length."""
-    from .analysis import _forward
     from .tasks.needle import make_needle_examples
 
     def count(text: str) -> int:
@@ -187,7 +246,7 @@ def answer_value_contrast(
                 for n, layer in enumerate(layers)
             ]
             try:
-                _forward(model, torch.tensor([ids], device=next(model.parameters()).device))
+                forward_without_cache(model, torch.tensor([ids], device=next(model.parameters()).device))
             finally:
                 for handle in handles:
                     handle.remove()

@@ -248,19 +248,17 @@ def claims_markdown(tables: dict[str, dict[str, dict]], verdicts: dict[str, str]
 
 
 def _figure(width: float = 7.0, height: float = 4.5):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from .plotting import new_figure
 
-    figure = Figure(figsize=(width, height))
-    FigureCanvasAgg(figure)
+    figure = new_figure(width, height)
     return figure, figure.add_subplot()
 
 
 def _save(figure, path: Path) -> None:
+    from .plotting import save_figure
+
     figure.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    figure.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    save_figure(figure, path, tight=False)
 
 
 def _layer_mean(rows: list[list[float]]) -> list[float]:

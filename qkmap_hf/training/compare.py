@@ -290,37 +290,21 @@ def summarize(rows: list[dict], final_step: int, labels: Sequence[str], timing: 
 
 
 def _plot(rows: list[dict], split: str, labels: Sequence[str], path: Path, title: str) -> None:
-    import matplotlib
+    from ..plotting import new_figure, plot_mean_with_band, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    tail_values = []
-    for label in labels:
-        by_step = defaultdict(list)
-        for r in rows:
-            if r["mode"] == label and r["split"] == split:
-                by_step[r["step"]].append(r["loss"])
-        if not by_step:
-            continue
-        steps = sorted(by_step)
-        means = [statistics.fmean(by_step[s]) for s in steps]
-        axis.plot(steps, means, label=f"{label} (n={max(len(v) for v in by_step.values())})", linewidth=1.6)
-        axis.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps], alpha=0.2)
-        tail_values += [m for s, m in zip(steps, means, strict=True) if s >= 0.2 * steps[-1]]
-    if tail_values:  # the first steps (loss ~ log vocab) would squash the interesting part of the curve
-        low, high = min(tail_values), max(tail_values)
-        margin = 0.08 * (high - low or 1.0)
-        axis.set_ylim(low - margin, high + margin)
+    curves: dict[str, dict[int, list[float]]] = {label: defaultdict(list) for label in labels}
+    for r in rows:
+        if r["mode"] in curves and r["split"] == split:
+            curves[r["mode"]][r["step"]].append(r["loss"])
+    figure = new_figure()
+    axis = figure.add_subplot()
+    plot_mean_with_band(axis, curves)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel(f"{split} loss (nats/token)")
     axis.set_title(title)
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 def report(out: Path, final_step: int, labels: Sequence[str] | None = None) -> ComparisonResult:

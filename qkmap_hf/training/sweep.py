@@ -447,38 +447,22 @@ def summary_markdown(summary: dict) -> str:
 
 
 def plot_validation(rows: list[dict], labels: list[str], path: Path) -> None:
-    """Report runs' validation loss per arm: mean over seeds with a min/max band (matplotlib object API)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """Report runs' validation loss per arm: mean over seeds with a min/max band."""
+    from ..plotting import new_figure, plot_mean_with_band, save_figure
 
-    figure = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(figure)
+    curves: dict[str, dict[int, list[float]]] = {label: defaultdict(list) for label in labels}
+    for r in rows:
+        if r["arm"] in curves and r["phase"] == "report" and r["split"] == "validation":
+            curves[r["arm"]][r["step"]].append(r["loss"])
+    figure = new_figure()
     axis = figure.add_subplot()
-    tail = []
-    for label in labels:
-        by_step = defaultdict(list)
-        for r in rows:
-            if r["arm"] == label and r["phase"] == "report" and r["split"] == "validation":
-                by_step[r["step"]].append(r["loss"])
-        if not by_step:
-            continue
-        steps = sorted(by_step)
-        means = [statistics.fmean(by_step[s]) for s in steps]
-        axis.plot(steps, means, label=f"{label} (n={max(len(v) for v in by_step.values())})", linewidth=1.5)
-        axis.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps], alpha=0.15)
-        tail += [m for s, m in zip(steps, means, strict=True) if s >= 0.3 * steps[-1]]
-    if tail:
-        margin = 0.08 * (max(tail) - min(tail) or 1.0)
-        axis.set_ylim(min(tail) - margin, max(tail) + margin)
+    plot_mean_with_band(axis, curves, tail_fraction=0.3, alpha=0.15)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("report-split validation loss (nats/token)")
     axis.set_title("validation loss per arm at its tuned setting: mean, min/max over report seeds")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    figure.savefig(tmp, dpi=120)
-    tmp.replace(path)
+    save_figure(figure, path, dpi=120)
 
 
 __all__ = [
