@@ -119,30 +119,37 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
     prompt = torch.randint(0, MODEL_SIZE["vocab_size"], (1, args.prefill_len), device=args.device)
     for repeat in range(args.repeats):
-        for name, model in models.items():
-            with torch.no_grad():
+        # Prefill every variant, then decode round-robin, one token per variant in turn, so that a burst of
+        # machine load hits all variants alike instead of the one decoding its 32 tokens at that moment.
+        caches, tokens, steps = {}, {}, defaultdict(list)
+        with torch.no_grad():
+            for name, model in models.items():
                 out = {}
 
                 def prefill(model=model, out=out):
                     out["result"] = model(prompt, use_cache=True)
 
                 prefill_seconds = timed(prefill, args.device)
-                cache = out["result"].cache if hasattr(out["result"], "cache") else out["result"].past_key_values
-                token = out["result"].logits[:, -1:].argmax(-1)
-                steps = []
-                for _ in range(args.decode_tokens):
-                    def decode(model=model, cache=cache, out=out, token=token):
+                result = out["result"]
+                caches[name] = result.cache if hasattr(result, "cache") else result.past_key_values
+                tokens[name] = result.logits[:, -1:].argmax(-1)
+                rows.append(dict(variant=name, seq_len=args.prefill_len, metric="prefill_ms",
+                                 value=prefill_seconds * 1e3, repeat=repeat))
+            for _ in range(args.decode_tokens):
+                for name, model in models.items():
+                    out = {}
+
+                    def decode(model=model, cache=caches[name], token=tokens[name], out=out):
                         out["step"] = model(token, cache=cache, use_cache=True)
 
-                    steps.append(timed(decode, args.device))
-                    token = out["step"].logits[:, -1:].argmax(-1)
-            rows.append(dict(variant=name, seq_len=args.prefill_len, metric="prefill_ms", value=prefill_seconds * 1e3,
-                             repeat=repeat))
+                    steps[name].append(timed(decode, args.device))
+                    tokens[name] = out["step"].logits[:, -1:].argmax(-1)
+        for name in models:
             rows.append(dict(variant=name, seq_len=args.prefill_len, metric="decode_ms_per_token",
-                             value=statistics.median(steps) * 1e3, repeat=repeat))
+                             value=statistics.median(steps[name]) * 1e3, repeat=repeat))
             if repeat == 0:
                 rows.append(dict(variant=name, seq_len=args.prefill_len + args.decode_tokens, metric="kv_cache_bytes",
-                                 value=kv_cache_bytes(cache), repeat=0))
+                                 value=kv_cache_bytes(caches[name]), repeat=0))
     return rows
 
 

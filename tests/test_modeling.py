@@ -226,6 +226,32 @@ def test_sdpa_equals_eager_and_pads_values_only_when_widths_differ(layout, monke
     assert widths[0][0] == (32 if layout == "wide" else 16)
 
 
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_single_token_decode_skips_value_padding_and_equals_eager(cache_implementation, monkeypatch):
+    """Decoding over wider keys takes single_query_attention (no padded value cache), GQA and left padding included."""
+    eager = make_model("qk_map", attn="eager")  # 4 query heads over 2 key heads; keys 32 wide, values 16
+    sdpa = copy.deepcopy(eager)
+    sdpa.set_attn_implementation("sdpa")
+    query_lengths = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prompt = ids(batch=2, length=9)
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                    return_dict_in_generate=True, cache_implementation=cache_implementation)
+    with torch.no_grad():
+        expected, got = eager.generate(prompt, **settings), sdpa.generate(prompt, **settings)
+    assert torch.equal(expected.sequences, got.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(expected.logits, got.logits, strict=True)) < 1e-4
+    assert query_lengths and all(length > 1 for length in query_lengths)  # only the prefill reached sdpa
+
+
 def test_flash_attention_refuses_widths_it_cannot_take():
     model = make_model("qk_map", head_dim=128, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
                        qkmap_num_frequencies=2)
@@ -368,7 +394,7 @@ def test_feature_map_is_one_graph_for_torch_compile():
 
 
 def test_flex_attention_equals_eager_with_wide_keys():
-    eager = make_model("qk_map", attn="eager")  # keys 32 wide, values 16: flex gets padded values
+    eager = make_model("qk_map", attn="eager")  # keys 32 wide, values 16: flex takes them unpadded
     flex = copy.deepcopy(eager)
     flex.set_attn_implementation("flex_attention")
     x = ids()
