@@ -91,7 +91,7 @@ def kv_cache_bytes(cache) -> int:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     dtype = getattr(torch, args.dtype)
-    models = {name: build(name, args.device, dtype, args.attn) for name in VARIANTS}
+    models = {name: build(name, args.device, dtype, args.attn) for name in args.variants}
     rows: list[dict] = []
     for seq_len in args.seq_lens:
         ids = torch.randint(0, MODEL_SIZE["vocab_size"], (args.batch, seq_len), device=args.device)
@@ -206,11 +206,12 @@ def plot(summary: list[dict], output_dir: Path) -> list[Path]:
 
 
 def markdown(summary: list[dict]) -> str:
-    lines = ["| metric | T | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
+    variants = [v for v in VARIANTS if any(s["variant"] == v for s in summary)]
+    lines = ["| metric | T | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
     keyed = {(s["metric"], s["seq_len"], s["variant"]): s for s in summary}
     for metric, seq_len in sorted({(s["metric"], s["seq_len"]) for s in summary}):
         cells = []
-        for variant in VARIANTS:
+        for variant in variants:
             s = keyed.get((metric, seq_len, variant))
             if s is None or math.isnan(s["median"]):
                 cells.append("n/a")
@@ -235,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="variants to time (standard, the reference of every ratio, is always included)")
     args = parser.parse_args(argv)
+    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
     if args.threads:
         torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
