@@ -66,19 +66,25 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
-def saved_activation_bytes(model: QKMapForCausalLM, ids: torch.Tensor) -> int:
-    """Bytes autograd keeps for the backward pass: the memory a training step needs beyond the weights."""
-    total = 0
+def saved_activation_bytes(model: QKMapForCausalLM, ids: torch.Tensor) -> tuple[int, int]:
+    """Bytes autograd keeps for the backward pass: the memory a training step needs beyond the weights.
+
+    Returns every save counted (a tensor saved by three ops counts three times) and the distinct storages
+    those saves hold (what the allocator keeps).
+    """
+    total, storages = 0, {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal total
         if not isinstance(tensor, torch.nn.Parameter):
             total += tensor.numel() * tensor.element_size()
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(ids, labels=ids)
-    return total
+    return total, sum(storages.values())
 
 
 def kv_cache_bytes(cache) -> int:
@@ -100,8 +106,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 model(ids)
             model.zero_grad(set_to_none=True)
             if seq_len <= args.max_train_len:
-                rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes",
-                                 value=saved_activation_bytes(model, ids), repeat=0))
+                saved, distinct = saved_activation_bytes(model, ids)
+                rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes", value=saved, repeat=0))
+                rows.append(dict(variant=name, seq_len=seq_len, metric="distinct_activation_bytes", value=distinct,
+                                 repeat=0))
         for repeat in range(args.repeats):
             for name, model in models.items():
                 with torch.no_grad():
