@@ -4,29 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM, qkmap_features
 from qkmap_hf.modeling.feature_map_qkmap import QKMapFeatureFunction
-from tests.utils import tiny_config_kwargs
-
-
-def written_out_features(z, frequency, gain, cos, sin, rotate_cos_blocks=True):
-    """docs/method.md's phi one block at a time: gain * cos/sin(omega z), then Llama's RoPE on the block."""
-    heads, kv_heads, num_freq = z.shape[1], frequency.shape[0], frequency.shape[1]
-    out = []
-    for head in range(heads):
-        kv = head // (heads // kv_heads)  # GQA: a query head uses its key head's frequencies and gains
-        blocks = []
-        for f in range(num_freq):
-            phase = z[:, head] * frequency[kv, f]  # (batch, seq, m); a per-block omega broadcasts
-            for row, trig in ((2 * f, torch.cos), (2 * f + 1, torch.sin)):
-                block = gain[kv, row] * trig(phase)
-                if row % 2 == 1 or rotate_cos_blocks:
-                    block = apply_rotary_pos_emb(block[:, None], block[:, None], cos, sin)[0][:, 0]
-                blocks.append(block)
-        out.append(torch.cat(blocks, dim=-1))
-    return torch.stack(out, dim=1)
+from tests.utils import tiny_config_kwargs, written_out_features
 
 
 def random_inputs(heads, kv_heads, num_freq, freq_width, m=6, seq=5, batch=2, tables_need_grad=False):

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from qkmap_hf import QKMapConfig, qkmap_features
-from tests.test_feature_map import random_inputs, written_out_features
-from tests.utils import kl_per_token, tiny_config_kwargs
+from tests.test_feature_map import random_inputs
+from tests.utils import kl_per_token, tiny_config_kwargs, written_out_features
 
 DEVICE = os.environ.get("QKMAP_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
 

@@ -18,7 +18,7 @@ from transformers import (
 import qkmap_hf
 from qkmap_hf import QKMapConfig, QKMapForCausalLM, qkmap_features
 from qkmap_hf.modeling.modeling_qkmap import QKMapAttention
-from tests.utils import kl_per_token, tiny_config_kwargs
+from tests.utils import kl_per_token, tiny_config_kwargs, written_out_features
 
 MODES = ("standard", "qk_norm", "qk_map")
 
@@ -405,26 +405,6 @@ def test_flex_attention_equals_eager_with_wide_keys():
     assert diff.abs().max().item() < 1e-5
 
 
-def reference_features(z, frequency, gain, cos, sin):
-    """The method doc's formula written out with loops: one block at a time, Llama's RoPE per block."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
-
-    batch, heads, seq, m = z.shape
-    kv_heads, num_freq = frequency.shape[:2]
-    out = []
-    for head in range(heads):
-        kv = head // (heads // kv_heads)  # GQA: a query head uses its key head's frequencies and gains
-        blocks = []
-        for f in range(num_freq):
-            phase = z[:, head].double() * frequency[kv, f].double()
-            for row, fn in ((2 * f, torch.cos), (2 * f + 1, torch.sin)):
-                block = (gain[kv, row].double() * fn(phase))[:, None]
-                rotated, _ = llama_rope(block, block, cos.double(), sin.double())
-                blocks.append(rotated[:, 0])
-        out.append(torch.cat(blocks, dim=-1))
-    return torch.stack(out, dim=1)
-
-
 @pytest.mark.parametrize("num_frequencies,sharing", [(1, "channel"), (2, "channel"), (3, "head")])
 def test_fused_feature_map_equals_the_written_out_formula(num_frequencies, sharing):
     config = QKMapConfig(qk_mode="qk_map", qkmap_num_frequencies=num_frequencies, qkmap_frequency_sharing=sharing,
@@ -441,7 +421,8 @@ def test_fused_feature_map_equals_the_written_out_formula(num_frequencies, shari
         fused_q, fused_k = feature_map(q, k, cos, sin)
         omega = feature_map.frequency()
         omega_full = omega.expand(-1, -1, config.qkmap_feature_dim_per_block)
-        expected_q = reference_features(q, omega_full, feature_map.query_gain, cos, sin)
-        expected_k = reference_features(k, omega_full, feature_map.key_gain, cos, sin)
+        tables = cos.double(), sin.double()
+        expected_q = written_out_features(q.double(), omega_full.double(), feature_map.query_gain.double(), *tables)
+        expected_k = written_out_features(k.double(), omega_full.double(), feature_map.key_gain.double(), *tables)
     assert (fused_q.double() - expected_q).abs().max().item() < 1e-5
     assert (fused_k.double() - expected_k).abs().max().item() < 1e-5
