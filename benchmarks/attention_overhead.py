@@ -66,19 +66,25 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
-def saved_activation_bytes(model: QKMapForCausalLM, ids: torch.Tensor) -> int:
-    """Bytes autograd keeps for the backward pass: the memory a training step needs beyond the weights."""
-    total = 0
+def saved_activation_bytes(model: QKMapForCausalLM, ids: torch.Tensor) -> tuple[int, int]:
+    """Bytes autograd keeps for the backward pass: the memory a training step needs beyond the weights.
+
+    Returns every save counted (a tensor saved by three ops counts three times) and the distinct storages
+    those saves hold (what the allocator keeps).
+    """
+    total, storages = 0, {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal total
         if not isinstance(tensor, torch.nn.Parameter):
             total += tensor.numel() * tensor.element_size()
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(ids, labels=ids)
-    return total
+    return total, sum(storages.values())
 
 
 def kv_cache_bytes(cache) -> int:
@@ -91,7 +97,7 @@ def kv_cache_bytes(cache) -> int:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     dtype = getattr(torch, args.dtype)
-    models = {name: build(name, args.device, dtype, args.attn) for name in VARIANTS}
+    models = {name: build(name, args.device, dtype, args.attn) for name in args.variants}
     rows: list[dict] = []
     for seq_len in args.seq_lens:
         ids = torch.randint(0, MODEL_SIZE["vocab_size"], (args.batch, seq_len), device=args.device)
@@ -100,8 +106,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 model(ids)
             model.zero_grad(set_to_none=True)
             if seq_len <= args.max_train_len:
-                rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes",
-                                 value=saved_activation_bytes(model, ids), repeat=0))
+                saved, distinct = saved_activation_bytes(model, ids)
+                rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes", value=saved, repeat=0))
+                rows.append(dict(variant=name, seq_len=seq_len, metric="distinct_activation_bytes", value=distinct,
+                                 repeat=0))
         for repeat in range(args.repeats):
             for name, model in models.items():
                 with torch.no_grad():
@@ -119,30 +127,37 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
     prompt = torch.randint(0, MODEL_SIZE["vocab_size"], (1, args.prefill_len), device=args.device)
     for repeat in range(args.repeats):
-        for name, model in models.items():
-            with torch.no_grad():
+        # Prefill every variant, then decode round-robin, one token per variant in turn, so that a burst of
+        # machine load hits all variants alike instead of the one decoding its 32 tokens at that moment.
+        caches, tokens, steps = {}, {}, defaultdict(list)
+        with torch.no_grad():
+            for name, model in models.items():
                 out = {}
 
                 def prefill(model=model, out=out):
                     out["result"] = model(prompt, use_cache=True)
 
                 prefill_seconds = timed(prefill, args.device)
-                cache = out["result"].cache if hasattr(out["result"], "cache") else out["result"].past_key_values
-                token = out["result"].logits[:, -1:].argmax(-1)
-                steps = []
-                for _ in range(args.decode_tokens):
-                    def decode(model=model, cache=cache, out=out, token=token):
+                result = out["result"]
+                caches[name] = result.cache if hasattr(result, "cache") else result.past_key_values
+                tokens[name] = result.logits[:, -1:].argmax(-1)
+                rows.append(dict(variant=name, seq_len=args.prefill_len, metric="prefill_ms",
+                                 value=prefill_seconds * 1e3, repeat=repeat))
+            for _ in range(args.decode_tokens):
+                for name, model in models.items():
+                    out = {}
+
+                    def decode(model=model, cache=caches[name], token=tokens[name], out=out):
                         out["step"] = model(token, cache=cache, use_cache=True)
 
-                    steps.append(timed(decode, args.device))
-                    token = out["step"].logits[:, -1:].argmax(-1)
-            rows.append(dict(variant=name, seq_len=args.prefill_len, metric="prefill_ms", value=prefill_seconds * 1e3,
-                             repeat=repeat))
+                    steps[name].append(timed(decode, args.device))
+                    tokens[name] = out["step"].logits[:, -1:].argmax(-1)
+        for name in models:
             rows.append(dict(variant=name, seq_len=args.prefill_len, metric="decode_ms_per_token",
-                             value=statistics.median(steps) * 1e3, repeat=repeat))
+                             value=statistics.median(steps[name]) * 1e3, repeat=repeat))
             if repeat == 0:
                 rows.append(dict(variant=name, seq_len=args.prefill_len + args.decode_tokens, metric="kv_cache_bytes",
-                                 value=kv_cache_bytes(cache), repeat=0))
+                                 value=kv_cache_bytes(caches[name]), repeat=0))
     return rows
 
 
@@ -199,11 +214,12 @@ def plot(summary: list[dict], output_dir: Path) -> list[Path]:
 
 
 def markdown(summary: list[dict]) -> str:
-    lines = ["| metric | T | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
+    variants = [v for v in VARIANTS if any(s["variant"] == v for s in summary)]
+    lines = ["| metric | T | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
     keyed = {(s["metric"], s["seq_len"], s["variant"]): s for s in summary}
     for metric, seq_len in sorted({(s["metric"], s["seq_len"]) for s in summary}):
         cells = []
-        for variant in VARIANTS:
+        for variant in variants:
             s = keyed.get((metric, seq_len, variant))
             if s is None or math.isnan(s["median"]):
                 cells.append("n/a")
@@ -228,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="variants to time (standard, the reference of every ratio, is always included)")
     args = parser.parse_args(argv)
+    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
     if args.threads:
         torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ IGNORE_PATTERNS = [
 ]
 LOAD_CHECK_TIMEOUT_S = 900
 _IMPORTS_QKMAP_HF = re.compile(r"^\s*(?:from\s+qkmap_hf[\s.]|import\s+qkmap_hf\b)", re.MULTILINE)
+_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import\b", re.MULTILINE)
 
 _CLEAN_LOAD = textwrap.dedent(
     """
@@ -131,16 +132,20 @@ def _check_config(folder: Path, problems: list[str]) -> dict | None:
                     f"config.json auto_map lacks {key}: without it the model does not load with trust_remote_code. "
                     "Re-save it with qkmap_hf imported (QKMapConfig sets auto_map)."
                 )
-    for name in sorted(_remote_code_files(auto_map)):
+    pending, seen = sorted(_remote_code_files(auto_map)), set()
+    while pending:  # the files auto_map names, and the siblings they import relatively (feature_map_qkmap.py)
+        name = pending.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
         code = folder / name
         if not code.is_file():
-            problems.append(
-                f"{name} (named by config.json auto_map) is missing; re-save the model with qkmap_hf imported."
-            )
-        elif _IMPORTS_QKMAP_HF.search(code.read_text(encoding="utf-8", errors="replace")):
-            problems.append(
-                f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers."
-            )
+            problems.append(f"{name} (remote code the model loads) is missing; re-save the model with qkmap_hf imported.")
+            continue
+        text = code.read_text(encoding="utf-8", errors="replace")
+        if _IMPORTS_QKMAP_HF.search(text):
+            problems.append(f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers.")
+        pending.extend(f"{module}.py" for module in _RELATIVE_IMPORT.findall(text))
     return config
 
 

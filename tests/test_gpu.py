@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from qkmap_hf import QKMapConfig
-from tests.utils import kl_per_token, tiny_config_kwargs
+from qkmap_hf import QKMapConfig, qkmap_features
+from tests.test_feature_map import random_inputs
+from tests.utils import kl_per_token, tiny_config_kwargs, written_out_features
 
 DEVICE = os.environ.get("QKMAP_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -32,3 +33,37 @@ def test_bf16_sdpa_close_to_fp32_and_cache_consistent(mode):
         assert cached.shape[1] == 24
     if mode == "qk_map":
         assert low.model.layers[0].self_attn.qk_map.log_frequency.dtype == torch.bfloat16
+
+
+def test_feature_map_backward_on_device_equals_the_formula():
+    inputs = random_inputs(4, 2, 2, 6)
+    on_device = [t.detach().float().to(DEVICE).requires_grad_(t.requires_grad) for t in inputs]
+    features = qkmap_features(*on_device)
+    expected = written_out_features(*inputs)
+    weights = torch.randn(expected.shape, dtype=torch.float64)
+    got = torch.autograd.grad((features * weights.float().to(DEVICE)).sum(), on_device[:3])
+    want = torch.autograd.grad((expected * weights).sum(), inputs[:3])
+    assert (features.double().cpu() - expected).abs().max().item() < 1e-4
+    for a, b in zip(got, want, strict=True):
+        assert (a.double().cpu() - b).abs().max().item() < 1e-4 * (1 + b.abs().max().item())
+
+
+def test_wide_keys_sdpa_trains_and_decodes_like_eager():
+    """sdpa pads values for the prefill and the backward pass, and decodes with single_query_attention."""
+    torch.manual_seed(0)
+    config = QKMapConfig(qk_mode="qk_map", **tiny_config_kwargs(eos_token_id=None))  # keys 2x as wide as values
+    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE)
+    sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(DEVICE)
+    sdpa.load_state_dict(eager.state_dict())
+    ids = torch.randint(3, 256, (2, 32), device=DEVICE)
+    grads = []
+    for model in (eager, sdpa):
+        model(ids, labels=ids).loss.backward()
+        grads.append(model.model.layers[0].self_attn.qk_map.query_gain.grad)
+    assert (grads[0] - grads[1]).abs().max().item() < 1e-4 * (1 + grads[0].abs().max().item())
+    with torch.no_grad():
+        settings = dict(
+            max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+        )
+        expected, got = eager.eval().generate(ids, **settings), sdpa.eval().generate(ids, **settings)
+    assert max((a - b).abs().max().item() for a, b in zip(expected.logits, got.logits, strict=True)) < 1e-3

@@ -18,7 +18,7 @@ from transformers import (
 import qkmap_hf
 from qkmap_hf import QKMapConfig, QKMapForCausalLM, qkmap_features
 from qkmap_hf.modeling.modeling_qkmap import QKMapAttention
-from tests.utils import kl_per_token, tiny_config_kwargs
+from tests.utils import kl_per_token, tiny_config_kwargs, written_out_features
 
 MODES = ("standard", "qk_norm", "qk_map")
 
@@ -226,6 +226,32 @@ def test_sdpa_equals_eager_and_pads_values_only_when_widths_differ(layout, monke
     assert widths[0][0] == (32 if layout == "wide" else 16)
 
 
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_single_token_decode_skips_value_padding_and_equals_eager(cache_implementation, monkeypatch):
+    """Decoding over wider keys takes single_query_attention (no padded value cache), GQA and left padding included."""
+    eager = make_model("qk_map", attn="eager")  # 4 query heads over 2 key heads; keys 32 wide, values 16
+    sdpa = copy.deepcopy(eager)
+    sdpa.set_attn_implementation("sdpa")
+    query_lengths = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prompt = ids(batch=2, length=9)
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                    return_dict_in_generate=True, cache_implementation=cache_implementation)
+    with torch.no_grad():
+        expected, got = eager.generate(prompt, **settings), sdpa.generate(prompt, **settings)
+    assert torch.equal(expected.sequences, got.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(expected.logits, got.logits, strict=True)) < 1e-4
+    assert query_lengths and all(length > 1 for length in query_lengths)  # only the prefill reached sdpa
+
+
 def test_flash_attention_refuses_widths_it_cannot_take():
     model = make_model("qk_map", head_dim=128, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
                        qkmap_num_frequencies=2)
@@ -370,7 +396,7 @@ def test_feature_map_is_one_graph_for_torch_compile():
 
 
 def test_flex_attention_equals_eager_with_wide_keys():
-    eager = make_model("qk_map", attn="eager")  # keys 32 wide, values 16: flex gets padded values
+    eager = make_model("qk_map", attn="eager")  # keys 32 wide, values 16: flex takes them unpadded
     flex = copy.deepcopy(eager)
     flex.set_attn_implementation("flex_attention")
     x = ids()
@@ -379,26 +405,6 @@ def test_flex_attention_equals_eager_with_wide_keys():
     with torch.no_grad():
         diff = (eager(x, attention_mask=mask).logits - flex(x, attention_mask=mask).logits)[mask.bool()]
     assert diff.abs().max().item() < 1e-5
-
-
-def reference_features(z, frequency, gain, cos, sin):
-    """The method doc's formula written out with loops: one block at a time, Llama's RoPE per block."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
-
-    batch, heads, seq, m = z.shape
-    kv_heads, num_freq = frequency.shape[:2]
-    out = []
-    for head in range(heads):
-        kv = head // (heads // kv_heads)  # GQA: a query head uses its key head's frequencies and gains
-        blocks = []
-        for f in range(num_freq):
-            phase = z[:, head].double() * frequency[kv, f].double()
-            for row, fn in ((2 * f, torch.cos), (2 * f + 1, torch.sin)):
-                block = (gain[kv, row].double() * fn(phase))[:, None]
-                rotated, _ = llama_rope(block, block, cos.double(), sin.double())
-                blocks.append(rotated[:, 0])
-        out.append(torch.cat(blocks, dim=-1))
-    return torch.stack(out, dim=1)
 
 
 @pytest.mark.parametrize("num_frequencies,sharing", [(1, "channel"), (2, "channel"), (3, "head")])
@@ -417,7 +423,8 @@ def test_fused_feature_map_equals_the_written_out_formula(num_frequencies, shari
         fused_q, fused_k = feature_map(q, k, cos, sin)
         omega = feature_map.frequency()
         omega_full = omega.expand(-1, -1, config.qkmap_feature_dim_per_block)
-        expected_q = reference_features(q, omega_full, feature_map.query_gain, cos, sin)
-        expected_k = reference_features(k, omega_full, feature_map.key_gain, cos, sin)
+        tables = cos.double(), sin.double()
+        expected_q = written_out_features(q.double(), omega_full.double(), feature_map.query_gain.double(), *tables)
+        expected_k = written_out_features(k.double(), omega_full.double(), feature_map.key_gain.double(), *tables)
     assert (fused_q.double() - expected_q).abs().max().item() < 1e-5
     assert (fused_k.double() - expected_k).abs().max().item() < 1e-5

@@ -294,6 +294,16 @@ def test_missing_card_and_remote_code_refused(ready_folder, hub, tmp_path, onlin
     assert hub.requests == []
 
 
+def test_missing_relatively_imported_remote_code_refused(ready_folder, tmp_path):
+    """modeling_qkmap.py imports feature_map_qkmap.py: a folder without it does not load, so it is not pushed."""
+    folder = tmp_path / "no-sibling"
+    shutil.copytree(ready_folder, folder)
+    assert validate_for_push(folder, load_check=False) == []
+    (folder / "feature_map_qkmap.py").unlink()
+    problems = validate_for_push(folder, load_check=False)
+    assert any("feature_map_qkmap.py" in p and "missing" in p for p in problems)
+
+
 @pytest.mark.slow
 def test_clean_load_failure_refused(ready_folder, hub, tmp_path, online):
     """Remote code that needs qkmap_hf at runtime passes the static checks but not the clean-process load."""

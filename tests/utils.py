@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from qkmap_hf.cleanroom import run_without_qkmap_hf
 
@@ -40,3 +41,21 @@ def run_clean_python(code: str, cwd: Path, env: dict | None = None, timeout: flo
     if result.returncode != 0:
         raise AssertionError(f"clean interpreter failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def written_out_features(z, frequency, gain, cos, sin, rotate_cos_blocks=True):
+    """docs/method.md's phi one block at a time: gain * cos/sin(omega z), then Llama's RoPE on the block."""
+    heads, kv_heads, num_freq = z.shape[1], frequency.shape[0], frequency.shape[1]
+    out = []
+    for head in range(heads):
+        kv = head // (heads // kv_heads)  # GQA: a query head uses its key head's frequencies and gains
+        blocks = []
+        for f in range(num_freq):
+            phase = z[:, head] * frequency[kv, f]  # (batch, seq, m); a per-block omega broadcasts
+            for row, trig in ((2 * f, torch.cos), (2 * f + 1, torch.sin)):
+                block = gain[kv, row] * trig(phase)
+                if row % 2 == 1 or rotate_cos_blocks:
+                    block = apply_rotary_pos_emb(block[:, None], block[:, None], cos, sin)[0][:, 0]
+                blocks.append(block)
+        out.append(torch.cat(blocks, dim=-1))
+    return torch.stack(out, dim=1)

@@ -30,8 +30,13 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjoint: boo
 
 def _rotate_blocks_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_cos_blocks: bool, adjoint: bool):
     """RoPE (or its adjoint) in place per block of ``x`` shaped ``(..., F, 2, m)``; cos blocks only if asked."""
-    _rotate_(x if rotate_cos_blocks else x[..., 1:, :], cos, sin, adjoint)
+    _rotate_(x if rotate_cos_blocks else x.narrow(-2, 1, 1), cos, sin, adjoint)
     return x
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)`` without the call when it is a no-op (decoding runs this path per token and layer)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 class _Layout:
@@ -51,16 +56,16 @@ class _Layout:
         self.table_batch = cos.shape[0]
 
     def z(self, z: torch.Tensor) -> torch.Tensor:
-        return z.transpose(1, 2).to(self.dtype).view(self.batch, self.seq, self.kv_heads, self.groups, 1, self.m)
+        return _cast(z.transpose(1, 2), self.dtype).view(self.batch, self.seq, self.kv_heads, self.groups, 1, self.m)
 
     def frequency(self, frequency: torch.Tensor) -> torch.Tensor:
-        return frequency.to(self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, self.freq_width)
+        return _cast(frequency, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, self.freq_width)
 
     def gain(self, gain: torch.Tensor) -> torch.Tensor:
-        return gain.to(self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
+        return _cast(gain, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
 
     def table(self, table: torch.Tensor) -> torch.Tensor:
-        return table.to(self.dtype).view(self.table_batch, self.seq, 1, 1, 1, 1, self.m)
+        return _cast(table, self.dtype).view(self.table_batch, self.seq, 1, 1, 1, 1, self.m)
 
     def blocks(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of a ``(batch, heads, seq, 2F*m)`` gradient as ``(..., F, 2, m)`` blocks."""
@@ -72,16 +77,17 @@ class _Layout:
     def trig(self, z: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
         """``(cos(omega z), sin(omega z))`` per frequency block, ``(batch, seq, kv_heads, groups, F, 2, m)``."""
         # The phase written twice, into the cos and the sin slot, then cos/sin in place: one fresh buffer.
-        z = self.z(z).unsqueeze(-2)
-        frequency = self.frequency(frequency).unsqueeze(-2).expand(-1, -1, -1, -1, -1, 2, -1)
+        z = _cast(z.transpose(1, 2), self.dtype).view(self.batch, self.seq, self.kv_heads, self.groups, 1, 1, self.m)
+        shape = (1, 1, self.kv_heads, 1, self.num_freq, 2, self.freq_width)
+        frequency = _cast(frequency, self.dtype).view(*shape[:-2], 1, shape[-1]).expand(shape)
         trig = z * frequency
-        trig[..., 0, :].cos_()
-        trig[..., 1, :].sin_()
+        trig.select(-2, 0).cos_()
+        trig.select(-2, 1).sin_()
         return trig
 
     def output(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         width = 2 * self.num_freq * self.m
-        return features.view(self.batch, self.seq, self.heads, width).transpose(1, 2).to(dtype)
+        return _cast(features.view(self.batch, self.seq, self.heads, width).transpose(1, 2), dtype)
 
     def unblock(self, tensor: torch.Tensor) -> torch.Tensor:
         """``(batch, seq, kv_heads, groups, m)`` back to ``z``'s ``(batch, heads, seq, m)``."""
@@ -129,8 +135,8 @@ class QKMapFeatureFunction(torch.autograd.Function):
         if need_z or need_frequency:
             # d/dphase of (a cos(phase), b sin(phase)) = (-a sin(phase), b cos(phase)).
             gain_blocks = layout.gain(gain)
-            grad_phase = (grad[..., 1, :] * trig[..., 0, :]).mul_(gain_blocks[..., 1, :])
-            grad_phase.sub_((grad[..., 0, :] * trig[..., 1, :]).mul_(gain_blocks[..., 0, :]))
+            grad_phase = (grad.select(-2, 1) * trig.select(-2, 0)).mul_(gain_blocks.select(-2, 1))
+            grad_phase.sub_((grad.select(-2, 0) * trig.select(-2, 1)).mul_(gain_blocks.select(-2, 0)))
             # Reduce over what the parameters broadcast across: batch, positions, the query heads of a group.
             if need_frequency:
                 grad_frequency = (grad_phase * layout.z(z)).sum_to_size(layout.frequency(frequency).shape)

@@ -50,7 +50,9 @@ _OUTPUT_CACHE_FIELD = (
 
 # Kernels that want queries, keys and values of one width. Values are zero-padded to the key width and
 # the output sliced back: exact, and it keeps the fused kernels (CPU sdpa leaves its fused path otherwise).
-PAD_VALUES_FOR_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+# flex_attention takes values narrower than queries/keys as they are. A single query token (decoding) skips the
+# padding for sdpa too: its T x 1 scores cost nothing on the unfused path, the copy of the whole value cache does.
+PAD_VALUES_FOR_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 FLASH_MAX_HEAD_DIM = 256
 
 
@@ -234,8 +236,8 @@ class QKMapAttention(nn.Module):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         implementation = self.config._attn_implementation or "eager"
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        value_for_kernel = self.pad_values_for_kernel(value_states, implementation)
+        attention_interface = self.attention_kernel(implementation, query_states.shape[-2])
+        value_for_kernel = self.pad_values_for_kernel(value_states, implementation, query_states.shape[-2])
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -250,10 +252,25 @@ class QKMapAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
-    def pad_values_for_kernel(self, value_states: torch.Tensor, implementation: str) -> torch.Tensor:
+    def attention_kernel(self, implementation: str, query_length: int) -> Callable:
+        """The configured kernel; for sdpa with one query token and keys wider than values, ``single_query_attention``."""
+        if (
+            implementation == "sdpa"
+            and query_length == 1
+            and self.query_key_dim != self.head_dim
+            and not (self.training and self.attention_dropout > 0)
+        ):
+            return single_query_attention
+        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+
+    def pad_values_for_kernel(
+        self, value_states: torch.Tensor, implementation: str, query_length: int | None = None
+    ) -> torch.Tensor:
         """Zero-pad values to the query/key width for kernels that want one width (see module constant)."""
         extra = self.query_key_dim - self.head_dim
         if extra <= 0 or not implementation.startswith(PAD_VALUES_FOR_IMPLEMENTATIONS):
+            return value_states
+        if query_length == 1 and implementation == "sdpa":
             return value_states
         if implementation.startswith("flash_attention") and self.query_key_dim > FLASH_MAX_HEAD_DIM:
             raise ValueError(
@@ -262,6 +279,34 @@ class QKMapAttention(nn.Module):
                 "attn_implementation='sdpa' or a smaller qkmap_input_dim (e.g. head_dim // (2 * F))."
             )
         return F.pad(value_states, (0, extra))
+
+
+def single_query_attention(
+    module: QKMapAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one query token over the cache, with values narrower than keys (decoding, sdpa masks).
+
+    sdpa would need values padded to the key width (a copy of the whole value cache per step) or take its
+    unfused path (which rescales the whole key cache per step); here the scale hits the ``1 x T`` scores only,
+    and GQA groups share their key head without repeating the cache. Returns ``(batch, 1, heads, d)`` as sdpa.
+    """
+    batch, heads, _, width = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, width)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scaling  # (batch, kv_heads, groups, T)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1, : key.shape[-2]]  # (batch, 1 or heads, T)
+        mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kv_heads, -1, mask.shape[-1])
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+    output = torch.matmul(probs, value)  # (batch, kv_heads, groups, d)
+    return output.view(batch, 1, heads, value.shape[-1]), None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""The feature map's recomputing backward pass: autograd's gradients of the written-out formula, less memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkmap_hf import QKMapConfig, QKMapForCausalLM, qkmap_features
+from qkmap_hf.modeling.feature_map_qkmap import QKMapFeatureFunction
+from tests.utils import tiny_config_kwargs, written_out_features
+
+
+def random_inputs(heads, kv_heads, num_freq, freq_width, m=6, seq=5, batch=2, tables_need_grad=False):
+    generator = torch.Generator().manual_seed(heads * 100 + num_freq * 10 + freq_width)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    # z token-major like the model's projections (a transposed view), the others as the module passes them.
+    z = rand(batch, seq, heads, m).transpose(1, 2).requires_grad_()
+    frequency = (rand(kv_heads, num_freq, freq_width).abs() + 0.3).requires_grad_()
+    gain = rand(kv_heads, 2 * num_freq, m).requires_grad_()
+    cos, sin = rand(1, seq, m), rand(1, seq, m)
+    return z, frequency, gain, cos.requires_grad_(tables_need_grad), sin.requires_grad_(tables_need_grad)
+
+
+CASES = [  # heads, kv_heads, F, frequency width (m: per channel, 1: per block)
+    pytest.param(2, 2, 1, 6, id="mha-F1"),
+    pytest.param(4, 2, 2, 6, id="gqa-F2"),
+    pytest.param(6, 2, 3, 1, id="gqa-F3-per-block"),
+]
+
+
+@pytest.mark.parametrize("rotate_cos_blocks", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,num_freq,freq_width", CASES)
+def test_custom_backward_passes_gradcheck_in_float64(heads, kv_heads, num_freq, freq_width, rotate_cos_blocks):
+    width = 4 if freq_width > 1 else 1
+    inputs = random_inputs(heads, kv_heads, num_freq, width, m=4, seq=3, batch=1, tables_need_grad=heads == 4)
+    assert torch.autograd.gradcheck(
+        lambda *tensors: QKMapFeatureFunction.apply(*tensors, rotate_cos_blocks),
+        inputs,
+        eps=1e-6,
+        atol=1e-8,
+        fast_mode=True,
+    )
+
+
+@pytest.mark.parametrize("rotate_cos_blocks", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,num_freq,freq_width", CASES)
+def test_custom_backward_equals_autograd_of_the_written_out_formula(
+    heads, kv_heads, num_freq, freq_width, rotate_cos_blocks
+):
+    inputs = random_inputs(heads, kv_heads, num_freq, freq_width)
+    features = qkmap_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
+    assert features.grad_fn.name() == "QKMapFeatureFunctionBackward"
+    expected = written_out_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
+    assert (features - expected).abs().max().item() < 1e-12
+    weights = torch.randn(features.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = torch.autograd.grad((features * weights).sum(), inputs[:3])
+    want = torch.autograd.grad((expected * weights).sum(), inputs[:3])
+    for name, a, b in zip(("z", "frequency", "gain"), got, want, strict=True):
+        assert a.shape == b.shape, name
+        assert (a - b).abs().max().item() < 1e-10 * (1 + b.abs().max().item()), name
+
+
+@pytest.mark.parametrize("parametrization", ["absolute", "inverse_frequency"])
+def test_module_gradients_equal_the_formula_with_inverse_frequency_gains(parametrization):
+    """Through QKMapFeatureMap (log-frequencies, gains / omega), float32 against the float64 formula."""
+    config = QKMapConfig(
+        qk_mode="qk_map", qkmap_num_frequencies=2, qkmap_gain_parametrization=parametrization, **tiny_config_kwargs()
+    )
+    model = QKMapForCausalLM(config)
+    feature_map = model.model.layers[0].self_attn.qk_map
+    with torch.no_grad():
+        feature_map.query_gain.mul_(1 + 0.5 * torch.randn_like(feature_map.query_gain))
+        feature_map.key_gain.mul_(1 + 0.5 * torch.randn_like(feature_map.key_gain))
+        feature_map.log_frequency.add_(0.3 * torch.randn_like(feature_map.log_frequency))
+    cos, sin = model.model.rotary_emb(torch.empty(0), torch.arange(3, 10).unsqueeze(0))
+    m = config.qkmap_feature_dim_per_block
+    q = torch.randn(2, 7, config.num_attention_heads, m).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 7, config.num_key_value_heads, m).transpose(1, 2).requires_grad_()
+    params = [feature_map.log_frequency, feature_map.query_gain, feature_map.key_gain]
+
+    fused_q, fused_k = feature_map(q, k, cos, sin)
+    loss = fused_q.square().sum() + (fused_k * fused_k.roll(1, dims=-1)).sum()
+    got = torch.autograd.grad(loss, [q, k, *params])
+
+    omega = params[0].double().exp()
+    q_gain, k_gain = params[1].double(), params[2].double()
+    if parametrization == "inverse_frequency":  # stored gain / omega, the omega of the gain's block
+        q_gain, k_gain = q_gain / omega.repeat_interleave(2, dim=1), k_gain / omega.repeat_interleave(2, dim=1)
+    tables = cos.double(), sin.double()
+    expected_q = written_out_features(q.double(), omega, q_gain, *tables)
+    expected_k = written_out_features(k.double(), omega, k_gain, *tables)
+    assert (fused_q.double() - expected_q).abs().max().item() < 1e-4
+    loss = expected_q.square().sum() + (expected_k * expected_k.roll(1, dims=-1)).sum()
+    want = torch.autograd.grad(loss, [q, k, *params])
+    for name, a, b in zip(("q", "k", "log_frequency", "query_gain", "key_gain"), got, want, strict=True):
+        assert (a.double() - b).abs().max().item() < 1e-4 * (1 + b.abs().max().item()), name
+
+
+def test_backward_keeps_only_z_and_the_small_tensors():
+    """What autograd saves for the map: z (float32), omega, gains, RoPE tables; no phases, cos, sin or features."""
+    z, frequency, gain, cos, sin = random_inputs(8, 8, 1, 64, m=64, seq=128, batch=1)
+    z, frequency, gain = (t.detach().float().requires_grad_() for t in (z, frequency, gain))
+    cos, sin = cos.float(), sin.float()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        qkmap_features(z, frequency, gain, cos, sin)
+    nbytes = sum(t.numel() * t.element_size() for t in saved)
+    inputs_bytes = sum(t.numel() * t.element_size() for t in (z, frequency, gain, cos, sin))
+    assert nbytes == inputs_bytes
+    assert any(t.data_ptr() == z.data_ptr() for t in saved)  # z itself, not a copy
+
+
+def test_no_graph_and_the_same_values_without_gradients():
+    inputs = random_inputs(4, 2, 2, 6)
+    with_graph = qkmap_features(*inputs)
+    with torch.no_grad():
+        without = qkmap_features(*inputs)
+    assert without.grad_fn is None and torch.equal(with_graph.detach(), without)
+
+
+@pytest.mark.slow
+def test_compiled_backward_matches_eager():
+    torch._dynamo.reset()
+    z = torch.randn(2, 8, 4, 16).transpose(1, 2).requires_grad_()
+    frequency, gain = (torch.rand(2, 2, 16) + 0.1).requires_grad_(), torch.rand(2, 4, 16).requires_grad_()
+    cos, sin = torch.rand(1, 8, 16), torch.rand(1, 8, 16)
+    compiled = torch.compile(qkmap_features, fullgraph=True)
+    got = torch.autograd.grad(compiled(z, frequency, gain, cos, sin).square().sum(), (z, frequency, gain))
+    want = torch.autograd.grad(qkmap_features(z, frequency, gain, cos, sin).square().sum(), (z, frequency, gain))
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() < 1e-5 * (1 + b.abs().max().item())
