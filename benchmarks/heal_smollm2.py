@@ -128,6 +128,48 @@ def plot(out: Path, summary: dict) -> None:
     figure.savefig(out / "heal_trajectory.png", dpi=110)
 
 
+def markdown(summary: dict) -> str:
+    """The tables of docs/healing.md, from summary.json."""
+    arms, lines = summary["arms"], []
+    llama = arms.get("llama", {})
+    lines += ["| arm | step | held-out perplexity | / Llama arm (final) | KL to teacher | regime | min p90 phase | "
+              "min cos share |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, record in arms.items():
+        for row in record.get("evaluations", []):
+            ratio = row["perplexity"] / llama["final_perplexity"] if llama.get("final_perplexity") else float("nan")
+            lines.append(f"| {arm} | {row['step']} | {row['perplexity']:.2f} | {ratio:.3f} | {row['kl_to_teacher']:.3g} | "
+                         f"{row['regime']} | {min(row['phase_p90']):.3g} | {min(row['cos_energy_share']):.3g} |")  # fmt: skip
+        for point in record.get("curve", []):
+            lines.append(f"| {arm} | {point['step']} | {point['perplexity']:.2f} | "
+                         f"{point['perplexity'] / llama['final_perplexity']:.3f} | | standard attention | | |")  # fmt: skip
+    for arm, record in arms.items():
+        rows = record.get("evaluations")
+        if not rows:
+            continue
+        last = rows[-1]
+        lines += ["", f"Per layer at step {last['step']} ({arm}):", "",
+                  "| layer | median phase | p90 phase | cos energy share |", "|---|---|---|---|"]  # fmt: skip
+        for i, (median, p90, share) in enumerate(
+            zip(last["phase_median"], last["phase_p90"], last["cos_energy_share"], strict=True)
+        ):
+            lines.append(f"| {i} | {median:.3g} | {p90:.3g} | {share:.3g} |")
+    behaviours = {"source": summary.get("source_behaviour")} | {
+        arm: r["behaviour"] for arm, r in arms.items() if r.get("behaviour")
+    }
+    if any(behaviours.values()):
+        lines += ["", "| model | first-token mass | mean attention distance (tokens) |", "|---|---|---|"]
+        for name, b in behaviours.items():
+            if b:
+                lines.append(f"| {name} | {b['first_token_mass']:.4f} | {b['mean_attention_distance']:.2f} |")
+    if summary.get("forcing"):
+        lines += ["", "| alpha (forced, no training) | held-out perplexity | min p90 phase | max p90 phase | regime |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for row in summary["forcing"]:
+            lines.append(f"| {row['alpha']} | {row['perplexity']:.2f} | {min(row['phase_p90']):.3g} | "
+                         f"{max(row['phase_p90']):.3g} | {row['regime']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="runs/heal-smollm2")
@@ -148,14 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forcing-alphas", nargs="*", type=float, default=[],
                         help="also measure the untrained cost of forcing these alphas (after the arms)")  # fmt: skip
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--markdown", action="store_true", help="print the docs tables from summary.json")
     args = parser.parse_args(argv)
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"arms": {}}
-    if args.plot_only:
+    if args.plot_only or args.markdown:
         plot(out, summary)
+        if args.markdown:
+            print(markdown(summary))
         return 0
     source = smollm2_hf_dir()
     converted = out / "smollm2-qkmap-exact"
