@@ -3,7 +3,7 @@ same tokens with the same optimizer. Resumable: a finished arm is skipped, an in
 
     OMP_NUM_THREADS=1 python benchmarks/heal_smollm2.py --output-dir runs/heal-smollm2 --steps 150
 
-Arms (``--arms``): ``heal`` (``--alpha``; ``heal-a0.5`` etc. for other alphas) and ``llama`` (plain ``qkmap train`` of
+Arms (``--arms``): ``heal`` (``--alpha``, ``--kl-weight``; variants ``heal-alpha=0.6``, ``heal-kl=0``) and ``llama`` (``qkmap train`` of
 the source). Writes ``summary.json`` (settings, data, per-arm final numbers, attention behaviour of the source and
 the healed model), each arm's ``heal.json``/``heal.csv`` rows, and ``heal_trajectory.png``.
 ``--plot-only`` redraws the plot from the files.
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--max-eval-blocks", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=400_000)
-    parser.add_argument("--arms", nargs="+", default=["heal", "llama"], help="heal, heal-aALPHA, llama")
+    parser.add_argument("--arms", nargs="+", default=["heal", "llama"],
+                        help="heal, llama, or heal variants such as heal-alpha=0.6, heal-kl=0, heal-alpha=0.6-kl=0")  # fmt: skip
     parser.add_argument("--behaviour", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--forcing-alphas", nargs="*", type=float, default=[],
                         help="also measure the untrained cost of forcing these alphas (after the arms)")  # fmt: skip
@@ -246,13 +247,14 @@ def main(argv: list[str] | None = None) -> int:
                 "start_perplexity": curve[0]["perplexity"],
             }
         else:
-            alpha = float(arm.split("-a", 1)[1]) if "-a" in arm else args.alpha
+            variant = dict(part.partition("=")[::2] for part in arm.split("-")[1:])  # heal-alpha=0.6-kl=0
+            alpha, kl_weight = float(variant.get("alpha", args.alpha)), float(variant.get("kl", args.kl_weight))
             heal_options = HealOptions(
-                teacher=str(source), alpha=alpha, kl_weight=args.kl_weight, switch_on_key_gain=args.switch_on_key_gain
+                teacher=str(source), alpha=alpha, kl_weight=kl_weight, switch_on_key_gain=args.switch_on_key_gain
             )
             result = heal(options, heal_options, datasets=datasets, tokenizer=tokenizer)
             rows = json.loads((arm_dir / "heal.json").read_text())["evaluations"]
-            record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha,
+            record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha, "kl_weight": kl_weight,
                       "final_kl_to_teacher": rows[-1]["kl_to_teacher"], "regime": rows[-1]["regime"]}  # fmt: skip
             if args.behaviour:
                 record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)
