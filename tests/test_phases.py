@@ -57,7 +57,7 @@ def test_recorder_statistics_match_a_direct_computation():
         )
         energy = features.detach().pow(2).sum(dim=(0, 1, 2, 3, 5))  # (cos, sin)
         shares[role] = float(energy[0] / energy.sum())
-    values = torch.cat(pooled)
+    values = torch.cat(pooled).detach()
     assert layer["phase_p90"] == pytest.approx(float(torch.quantile(values, 0.9)), rel=1e-5)
     assert layer["phase_median"] == pytest.approx(float(values.median()), rel=1e-5)
     assert layer["cos_energy_share"] == pytest.approx(math.sqrt(shares["query"] * shares["key"]), rel=1e-4)
