@@ -109,7 +109,7 @@ def plot(out: Path, summary: dict) -> None:
         ax_phase.plot(steps, [min(r["cos_energy_share"]) for r in rows], ls=":", label=f"{arm}: min cos energy share")
         ratio = [r["perplexity"] / llama["final_perplexity"] for r in rows] if llama.get("final_perplexity") else None
         if ratio:
-            ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=arm)
+            ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=f"{arm} (/ final Llama arm)")
     forcing = summary.get("forcing") or []
     if forcing and llama.get("start_perplexity"):
         ax_front.plot([min(r["phase_p90"]) for r in forcing], [r["perplexity"] / llama["start_perplexity"] for r in forcing],
@@ -119,7 +119,7 @@ def plot(out: Path, summary: dict) -> None:
     ax_phase.axhline(0.1, color="grey", lw=0.8, ls=":")
     ax_phase.set(xlabel="optimizer step", ylabel="rad / share", title="phase p90 and cos share (min over layers)")
     ax_front.axhline(1.05, color="grey", lw=0.8)
-    ax_front.set(xlabel="min over layers of p90 phase (rad)", ylabel="perplexity / final Llama arm",
+    ax_front.set(xlabel="min over layers of p90 phase (rad)", ylabel="perplexity ratio (see legend)",
                  title="phase vs perplexity", yscale="log")  # fmt: skip
     for axis in (ax_ppl, ax_phase, ax_front):
         axis.grid(alpha=0.3)
@@ -222,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(summary_path, summary)
 
     for arm in args.arms:
-        if summary["arms"].get(arm, {}).get("done"):
+        record = summary["arms"].get(arm, {})
+        final_checkpoint = out / arm / f"checkpoint-{args.steps}"  # the Llama arm keeps only its checkpoints
+        if record.get("done") and args.behaviour and "behaviour" not in record and final_checkpoint.is_dir():
+            record["behaviour"] = attention_behaviour(str(final_checkpoint), tokenizer)
+            atomic_write_json(summary_path, summary)
+        if record.get("done"):
             print(f"{arm}: done already, skipped", flush=True)
             continue
         started = time.time()
@@ -247,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 "final_perplexity": curve[-1]["perplexity"],
                 "start_perplexity": curve[0]["perplexity"],
             }
+            if args.behaviour and (arm_dir / f"checkpoint-{args.steps}").is_dir():
+                record["behaviour"] = attention_behaviour(str(arm_dir / f"checkpoint-{args.steps}"), tokenizer)
         else:
             variant = dict(part.partition("=")[::2] for part in arm.split("-")[1:])  # heal-alpha=0.6-kl=0
             alpha, kl_weight = float(variant.get("alpha", args.alpha)), float(variant.get("kl", args.kl_weight))
