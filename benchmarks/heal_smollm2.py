@@ -1,10 +1,11 @@
 """Healing measured on SmolLM2-135M-Instruct: converted (exact) -> ``qkmap heal`` vs the Llama model up-trained on the
 same tokens with the same optimizer. Resumable: a finished arm is skipped, an interrupted heal arm resumes.
 
-    OMP_NUM_THREADS=1 python benchmarks/heal_smollm2.py --output-dir runs/heal-smollm2 --steps 150
+    OMP_NUM_THREADS=1 python benchmarks/heal_smollm2.py --output-dir runs/heal-smollm2 --steps 200 --batch-size 1 \
+        --eval-steps 25 --save-steps 50 --alpha 1.2 --qkmap-learning-rate 5e-3 --switch-on-key-gain 0.3
 
-Arms (``--arms``): ``heal`` (``--alpha``; ``heal-a0.5`` etc. for other alphas) and ``llama`` (plain ``qkmap train`` of
-the source). Writes ``summary.json`` (settings, data, per-arm final numbers, attention behaviour of the source and
+Arms (``--arms``): ``heal`` (``--alpha``, ``--kl-weight``; variants such as ``heal-alpha=0.6``, ``heal-kl=0``) and
+``llama`` (``qkmap train`` of the source). Writes ``summary.json`` (settings, data, per-arm final numbers, attention behaviour of the source and
 the healed model), each arm's ``heal.json``/``heal.csv`` rows, and ``heal_trajectory.png``.
 ``--plot-only`` redraws the plot from the files.
 """
@@ -108,7 +109,7 @@ def plot(out: Path, summary: dict) -> None:
         ax_phase.plot(steps, [min(r["cos_energy_share"]) for r in rows], ls=":", label=f"{arm}: min cos energy share")
         ratio = [r["perplexity"] / llama["final_perplexity"] for r in rows] if llama.get("final_perplexity") else None
         if ratio:
-            ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=arm)
+            ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=f"{arm} (/ final Llama arm)")
     forcing = summary.get("forcing") or []
     if forcing and llama.get("start_perplexity"):
         ax_front.plot([min(r["phase_p90"]) for r in forcing], [r["perplexity"] / llama["start_perplexity"] for r in forcing],
@@ -118,7 +119,7 @@ def plot(out: Path, summary: dict) -> None:
     ax_phase.axhline(0.1, color="grey", lw=0.8, ls=":")
     ax_phase.set(xlabel="optimizer step", ylabel="rad / share", title="phase p90 and cos share (min over layers)")
     ax_front.axhline(1.05, color="grey", lw=0.8)
-    ax_front.set(xlabel="min over layers of p90 phase (rad)", ylabel="perplexity / final Llama arm",
+    ax_front.set(xlabel="min over layers of p90 phase (rad)", ylabel="perplexity ratio (see legend)",
                  title="phase vs perplexity", yscale="log")  # fmt: skip
     for axis in (ax_ppl, ax_phase, ax_front):
         axis.grid(alpha=0.3)
@@ -126,6 +127,48 @@ def plot(out: Path, summary: dict) -> None:
     figure.suptitle("SmolLM2-135M: healing a converted model into the periodic regime")
     figure.tight_layout()
     figure.savefig(out / "heal_trajectory.png", dpi=110)
+
+
+def markdown(summary: dict) -> str:
+    """The tables of docs/healing.md, from summary.json."""
+    arms, lines = summary["arms"], []
+    llama = arms.get("llama", {})
+    lines += ["| arm | step | held-out perplexity | / Llama arm (final) | KL to teacher | regime | min p90 phase | "
+              "min cos share |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, record in arms.items():
+        for row in record.get("evaluations", []):
+            ratio = row["perplexity"] / llama["final_perplexity"] if llama.get("final_perplexity") else float("nan")
+            lines.append(f"| {arm} | {row['step']} | {row['perplexity']:.2f} | {ratio:.3f} | {row['kl_to_teacher']:.3g} | "
+                         f"{row['regime']} | {min(row['phase_p90']):.3g} | {min(row['cos_energy_share']):.3g} |")  # fmt: skip
+        for point in record.get("curve", []):
+            lines.append(f"| {arm} | {point['step']} | {point['perplexity']:.2f} | "
+                         f"{point['perplexity'] / llama['final_perplexity']:.3f} | | standard attention | | |")  # fmt: skip
+    for arm, record in arms.items():
+        rows = record.get("evaluations")
+        if not rows:
+            continue
+        last = rows[-1]
+        lines += ["", f"Per layer at step {last['step']} ({arm}):", "",
+                  "| layer | median phase | p90 phase | cos energy share |", "|---|---|---|---|"]  # fmt: skip
+        for i, (median, p90, share) in enumerate(
+            zip(last["phase_median"], last["phase_p90"], last["cos_energy_share"], strict=True)
+        ):
+            lines.append(f"| {i} | {median:.3g} | {p90:.3g} | {share:.3g} |")
+    behaviours = {"source": summary.get("source_behaviour")} | {
+        arm: r["behaviour"] for arm, r in arms.items() if r.get("behaviour")
+    }
+    if any(behaviours.values()):
+        lines += ["", "| model | first-token mass | mean attention distance (tokens) |", "|---|---|---|"]
+        for name, b in behaviours.items():
+            if b:
+                lines.append(f"| {name} | {b['first_token_mass']:.4f} | {b['mean_attention_distance']:.2f} |")
+    if summary.get("forcing"):
+        lines += ["", "| alpha (forced, no training) | held-out perplexity | min p90 phase | max p90 phase | regime |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for row in summary["forcing"]:
+            lines.append(f"| {row['alpha']} | {row['perplexity']:.2f} | {min(row['phase_p90']):.3g} | "
+                         f"{max(row['phase_p90']):.3g} | {row['regime']} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,19 +186,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--max-eval-blocks", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=400_000)
-    parser.add_argument("--arms", nargs="+", default=["heal", "llama"], help="heal, heal-aALPHA, llama")
+    parser.add_argument("--arms", nargs="+", default=["heal", "llama"],
+                        help="heal, llama, or heal variants such as heal-alpha=0.6, heal-kl=0, heal-alpha=0.6-kl=0")  # fmt: skip
     parser.add_argument("--behaviour", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--forcing-alphas", nargs="*", type=float, default=[],
                         help="also measure the untrained cost of forcing these alphas (after the arms)")  # fmt: skip
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--markdown", action="store_true", help="print the docs tables from summary.json")
     args = parser.parse_args(argv)
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"arms": {}}
-    if args.plot_only:
+    if args.plot_only or args.markdown:
         plot(out, summary)
+        if args.markdown:
+            print(markdown(summary))
         return 0
     source = smollm2_hf_dir()
     converted = out / "smollm2-qkmap-exact"
@@ -175,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(summary_path, summary)
 
     for arm in args.arms:
-        if summary["arms"].get(arm, {}).get("done"):
+        record = summary["arms"].get(arm, {})
+        final_checkpoint = out / arm / f"checkpoint-{args.steps}"  # the Llama arm keeps only its checkpoints
+        if record.get("done") and args.behaviour and "behaviour" not in record and final_checkpoint.is_dir():
+            record["behaviour"] = attention_behaviour(str(final_checkpoint), tokenizer)
+            atomic_write_json(summary_path, summary)
+        if record.get("done"):
             print(f"{arm}: done already, skipped", flush=True)
             continue
         started = time.time()
@@ -200,14 +252,17 @@ def main(argv: list[str] | None = None) -> int:
                 "final_perplexity": curve[-1]["perplexity"],
                 "start_perplexity": curve[0]["perplexity"],
             }
+            if args.behaviour and (arm_dir / f"checkpoint-{args.steps}").is_dir():
+                record["behaviour"] = attention_behaviour(str(arm_dir / f"checkpoint-{args.steps}"), tokenizer)
         else:
-            alpha = float(arm.split("-a", 1)[1]) if "-a" in arm else args.alpha
+            variant = dict(part.partition("=")[::2] for part in arm.split("-")[1:])  # heal-alpha=0.6-kl=0
+            alpha, kl_weight = float(variant.get("alpha", args.alpha)), float(variant.get("kl", args.kl_weight))
             heal_options = HealOptions(
-                teacher=str(source), alpha=alpha, kl_weight=args.kl_weight, switch_on_key_gain=args.switch_on_key_gain
+                teacher=str(source), alpha=alpha, kl_weight=kl_weight, switch_on_key_gain=args.switch_on_key_gain
             )
             result = heal(options, heal_options, datasets=datasets, tokenizer=tokenizer)
             rows = json.loads((arm_dir / "heal.json").read_text())["evaluations"]
-            record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha,
+            record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha, "kl_weight": kl_weight,
                       "final_kl_to_teacher": rows[-1]["kl_to_teacher"], "regime": rows[-1]["regime"]}  # fmt: skip
             if args.behaviour:
                 record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)

@@ -16,7 +16,7 @@ from qkmap_hf.assets import shakespeare_text
 from qkmap_hf.cli import main as cli_main
 from qkmap_hf.training.data import PackedDataset, build_datasets, byte_level_tokenizer
 from qkmap_hf.training.heal import HealOptions, HealTrainer, distillation_kl
-from qkmap_hf.training.schedules import GainSwitchOnSchedule, PhaseScaleSchedule, Ramp
+from qkmap_hf.training.schedules import GainSwitchOnSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
 from tests.utils import kl_per_token, run_clean_python, tiny_config_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,6 +153,10 @@ def test_distillation_term_is_kl_teacher_to_student(folders, tmp_path):
         kl = kl_per_token(teacher(input_ids=blocks).logits, out.logits).mean().item()
     assert kl > 1e-3
     assert loss.item() == pytest.approx(out.loss.item() + 0.7 * kl, rel=1e-5)
+    trainer.kl_schedule = ValueSchedule(0.0, 0.0)  # lambda 0: plain CE (and no teacher pass)
+    assert trainer.compute_loss(student, {"input_ids": blocks, "labels": blocks}).item() == pytest.approx(
+        out.loss.item()
+    )
 
 
 def _heal(folders, out: Path, *extra: str) -> list[dict]:

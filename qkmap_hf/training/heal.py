@@ -193,13 +193,17 @@ class HealTrainer(QKMapTrainer):
     # ---- loss ------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        weight = self.kl_schedule.value(self.progress())
+        if model.training and weight == 0.0:  # no distillation at this step: skip the teacher's forward pass
+            self.tokens_seen += inputs["input_ids"].numel()
+            return (loss, outputs) if return_outputs else loss
         with torch.no_grad():
             teacher_logits = self.teacher(input_ids=inputs["input_ids"], use_cache=False).logits
         kl = distillation_kl(outputs.logits, teacher_logits)
         if model.training:
             self.last_kl = float(kl.detach())
             self.tokens_seen += inputs["input_ids"].numel()
-            loss = loss + self.kl_schedule.value(self.progress()) * kl
+            loss = loss + weight * kl
         else:  # evaluation: the loss stays CE (perplexity); KL is accumulated for the heal row
             self._eval_kl[0] += float(kl) * inputs["input_ids"].numel()
             self._eval_kl[1] += inputs["input_ids"].numel()
