@@ -23,7 +23,6 @@ are produced, so long contexts do not keep every layer's full matrix.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -93,18 +92,6 @@ def _contrast_hook(
         masses[layer.index] = e_mass.mean(-1).tolist()
 
     return hook
-
-
-def _quantiles(values: torch.Tensor) -> dict[str, float]:
-    flat = values.flatten().float()
-    if flat.numel() > 1_000_000:  # torch.quantile has an input-size limit; a fixed stride keeps it reproducible
-        flat = flat[:: math.ceil(flat.numel() / 1_000_000)]
-    return {
-        "median": float(flat.median()),
-        "mean": float(flat.mean()),
-        "p90": float(torch.quantile(flat, 0.9)),
-        "max": float(flat.max()),
-    }
 
 
 def _phase_stats(layer: AttentionLayer, z: torch.Tensor) -> dict[str, float]:
