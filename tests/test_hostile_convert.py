@@ -62,7 +62,7 @@ def test_overwrite_never_replaces_a_folder_that_is_not_a_model(src, tmp_path, ca
 def test_unrepresentable_omega0_is_refused_before_writing(src, tmp_path, capsys):
     before = tree_digest(tmp_path)
     code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--omega0", "1e-50", "--no-progress")
-    assert_refused(code, err, "qkmap_exact_frequency=1e-50", "magnitude")
+    assert_refused(code, err, "omega0=1e-50 (--omega0)", "magnitude")
     assert tree_digest(tmp_path) == before and not (tmp_path / "out").exists()
 
 

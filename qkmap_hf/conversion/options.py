@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..modeling.configuration_qkmap import QKMapConfig
+from ..modeling.configuration_qkmap import FLOAT32_MAX, FLOAT32_TINY, QKMapConfig
 from .adapters import ArchitectureAdapter
 from .errors import ConversionError
 
@@ -42,6 +42,11 @@ class ConversionOptions:
             raise ConversionError(f"num_frequencies={self.num_frequencies!r} is invalid; it must be an integer >= 1.")
         if not (isinstance(self.omega0, (int, float)) and math.isfinite(self.omega0) and self.omega0 > 0):
             raise ConversionError(f"omega0={self.omega0!r} is invalid; it must be a positive number (default 1e-3).")
+        if not FLOAT32_TINY <= self.omega0 <= FLOAT32_MAX:  # the exact init's sine gain 1/omega0 must be a float32
+            raise ConversionError(
+                f"omega0={self.omega0!r} (--omega0) is invalid; its magnitude must lie between {FLOAT32_TINY:.3g} and "
+                f"{FLOAT32_MAX:.3g} so that the float32 gain 1/omega0 is finite (default 1e-3)."
+            )
         if isinstance(self.dtype, str):
             if self.dtype not in DTYPE_NAMES:
                 raise ConversionError(f"dtype={self.dtype!r} is invalid; choose one of: {', '.join(DTYPE_NAMES)}.")
