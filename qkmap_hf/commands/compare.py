@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
 
     from ..training.compare import CompareOptions, parse_variant, run_comparison
-    from ..training.trainer import parse_overrides
+    from ..training.options import parse_overrides
     from .paths import require_path, require_paths
 
     require_paths("--data", args.data)

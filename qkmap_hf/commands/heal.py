@@ -17,7 +17,7 @@ def _fractions(text: str) -> tuple[float, float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..training.heal import HealOptions
-    from ..training.trainer import add_train_arguments
+    from ..training.options import add_train_arguments
 
     parser.add_argument("converted", help="the converted QK-MAP folder (qkmap convert --init exact)")
     parser.set_defaults(model=None)
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
 
     from ..training.heal import HealOptions, heal
-    from ..training.trainer import TrainOptions
+    from ..training.options import TrainOptions
 
     args.model = args.converted
     heal_options = HealOptions(**{f: getattr(args, f) for f in HealOptions.__dataclass_fields__})

@@ -9,7 +9,7 @@ HELP = "Train a size preset from scratch or up-train a checkpoint (Trainer; DDP/
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..training.trainer import add_train_arguments
+    from ..training.options import add_train_arguments
 
     add_train_arguments(parser)
 

@@ -59,7 +59,7 @@ def parse_variant(text: str) -> Variant:
     Keys are QKMapConfig fields or training settings (``learning_rate``, ``qkmap_lr_multiplier`` alias
     ``qk_lr_multiplier``...), e.g. ``qk_map_wide_range:qk_mode=qk_map,qkmap_max_frequency=10``.
     """
-    from .trainer import parse_overrides
+    from .options import parse_overrides
 
     label, _, spec = text.partition(":")
     label = label.strip()

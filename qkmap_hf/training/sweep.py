@@ -58,7 +58,7 @@ class SweepOptions:
 def parse_tune(items: list[str]) -> dict[str, list]:
     """``["NAME=V1,V2", ...]`` -> ``{name: [v1, v2]}``; names are training settings or QKMapConfig fields."""
     from ..modeling.configuration_qkmap import QKMapConfig
-    from .trainer import parse_overrides
+    from .options import parse_overrides
 
     config_fields = set(QKMapConfig().to_dict())
     grid: dict[str, list] = {}
