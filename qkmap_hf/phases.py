@@ -38,6 +38,7 @@ def phase_magnitudes(z: torch.Tensor, frequency: torch.Tensor, projection_dim: i
     """``|omega * z|`` as ``(tokens, kv_heads, groups, F, m)``; ``z`` is ``(..., heads * m)`` from ``q_proj``/``k_proj``."""
     kv_heads, num_freq = frequency.shape[0], frequency.shape[1]
     m = projection_dim
+    z = z.flatten(-2) if z.dim() == 4 else z  # an input norm's output is (batch, seq, heads, m)
     z = z.detach().float().reshape(-1, z.shape[-1] // m, m)
     z = z.view(z.shape[0], kv_heads, z.shape[1] // kv_heads, 1, m)
     return (z * frequency.detach().float().view(1, kv_heads, 1, num_freq, -1)).abs()
@@ -125,8 +126,10 @@ class PhaseRecorder:
         self.energy: dict[int, dict[str, list[float]]] = {}
         for index, attention in enumerate(feature_map_layers(model)):
             layer = int(getattr(attention, "layer_idx", index))
-            for role, projection in (("query", attention.q_proj), ("key", attention.k_proj)):
-                self.handles.append(projection.register_forward_hook(self._hook(layer, role, attention)))
+            # The feature map sees the input norm's output where there is one (converted QK-Norm models).
+            sources = ("q_norm", "k_norm") if hasattr(attention, "q_norm") else ("q_proj", "k_proj")
+            for role, name in zip(("query", "key"), sources, strict=True):
+                self.handles.append(getattr(attention, name).register_forward_hook(self._hook(layer, role, attention)))
 
     def _hook(self, layer: int, role: str, attention: nn.Module):
         def record(_module, _inputs, output: torch.Tensor) -> None:

@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="START:END",
         help="window over which dead (cos, extra-block) key gains ramp to --switch-on-key-gain",
     )
+    g.add_argument(
+        "--norm-ramp",
+        type=_fractions,
+        default=d.norm_ramp,
+        metavar="START:END",
+        help="converted QK-Norm models: window over which the norm power goes 1 -> 0 (folded away at the end)",
+    )
     g.add_argument("--switch-on-key-gain", type=float, default=d.switch_on_key_gain)
     g.add_argument("--kl-weight", type=float, default=d.kl_weight, help="lambda in CE + lambda * KL(teacher||student)")
     g.add_argument("--kl-weight-end", type=float, help="lambda at the end of the run (linear; default: constant)")

@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 from ..fileio import atomic_write_json, atomic_write_text
 from ..phases import PhaseRecorder, feature_map_layers
 from .optim import QKMapTrainer
-from .schedules import GainSwitchOnSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
+from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
 from .trainer import TrainOptions, resume_checkpoint, train
 
 HEAL_RECORD = "heal.json"
@@ -60,6 +60,7 @@ class HealOptions:
     kl_weight: float = 1.0
     kl_weight_end: float | None = None
     native_gains: bool = True
+    norm_ramp: tuple[float, float] = (0.0, 0.8)
 
     def schedules(self) -> tuple[PhaseScaleSchedule, GainSwitchOnSchedule, ValueSchedule]:
         phase = PhaseScaleSchedule(self.alpha, Ramp(*self.phase_ramp), layerwise=self.layerwise,
@@ -154,6 +155,10 @@ class HealTrainer(QKMapTrainer):
         set_gain_parametrization(model, "inverse_frequency")
         self.heal_options = heal_options
         self.phase_schedule, self.switch_schedule, self.kl_schedule = heal_options.schedules()
+        if getattr(model.config, "qkmap_input_norm", False) and not any(
+            isinstance(schedule, NormAnnealSchedule) for schedule in extra_schedules
+        ):  # a converted QK-Norm model: anneal its norm away (folded before the final save)
+            extra_schedules = (*extra_schedules, NormAnnealSchedule(Ramp(*heal_options.norm_ramp)))
         self.schedules = [self.phase_schedule, self.switch_schedule, *extra_schedules]
         self.rows: list[dict[str, Any]] = []
         self.last_kl: float | None = None
@@ -181,8 +186,9 @@ class HealTrainer(QKMapTrainer):
 
     def apply_schedules(self) -> None:
         step = self.state.global_step
-        if self.phase_schedule.due(step) and self.calibration_blocks is not None:
-            self.phase_schedule.calibrate(self.model, self.calibration_blocks, step)
+        for schedule in self.schedules:  # the ones that measure something on the calibration blocks
+            if hasattr(schedule, "due") and schedule.due(step) and self.calibration_blocks is not None:
+                schedule.calibrate(self.model, self.calibration_blocks, step)
         for schedule in self.schedules:
             schedule.apply(self.model, self.progress())
 
@@ -235,6 +241,7 @@ class HealTrainer(QKMapTrainer):
             "phase_p90": phases.get("phase_p90"),
             "cos_energy_share": phases.get("cos_energy_share"),
             "alpha": self.heal_options.alpha,
+            "norm_power": self.model.config.qkmap_input_norm_power if self.model.config.qkmap_input_norm else None,
         }
         output.metrics[f"{prefix}_kl_to_teacher"] = row["kl_to_teacher"]
         if phases:
@@ -264,8 +271,13 @@ class _ScheduleCallback(TrainerCallback):
             self.trainer.save_heal_state(folder)
 
     def on_train_end(self, args, state, control, **kwargs):
+        model = self.trainer.model
         if self.trainer.heal_options.native_gains:
-            set_gain_parametrization(self.trainer.model, "absolute")
+            set_gain_parametrization(model, "absolute")
+        if getattr(model.config, "qkmap_input_norm", False) and model.config.qkmap_input_norm_power == 0:
+            from ..conversion.input_norm import fold_input_norm
+
+            fold_input_norm(model)  # the same function without the norm: saves as plain QK-MAP
 
 
 def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:

@@ -14,6 +14,8 @@ class with the same three methods.
 - ``GainSwitchOnSchedule``: breaks the zero-gain saddle of an exact conversion: the key gains of rows whose query
   and key gains are both 0 (cos rows, blocks f >= 1) ramp to a small value; the logits do not change (the query
   gain is still 0) but the query gains now receive gradient.
+- ``NormAnnealSchedule``: a converted QK-Norm model's input norm power ``beta`` from 1 (exact) to 0 (a fixed
+  per-channel scale that folds into the projections), with ``r`` calibrated per head on fixed blocks.
 - ``ValueSchedule``: a scalar such as the distillation weight lambda.
 """
 
@@ -99,11 +101,14 @@ def channel_p90(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> 
         kv_heads, m = attention.qk_map.log_frequency.shape[0], attention.projection_dim
 
         def grab(_module, _inputs, output, index=index, kv_heads=kv_heads, m=m):
+            output = output.flatten(-2) if output.dim() == 4 else output  # norm output: (batch, seq, heads, m)
             z = output.detach().float().reshape(-1, output.shape[-1] // m, m)  # (tokens, heads, m)
             z = z.view(z.shape[0], kv_heads, -1, m).transpose(1, 2).reshape(-1, kv_heads, m)
             values[index].append(z.abs())
 
-        handles += [attention.q_proj.register_forward_hook(grab), attention.k_proj.register_forward_hook(grab)]
+        # The feature map sees the input norm's output where there is one (converted QK-Norm models).
+        sources = ("q_norm", "k_norm") if hasattr(attention, "q_norm") else ("q_proj", "k_proj")
+        handles += [getattr(attention, name).register_forward_hook(grab) for name in sources]
     was_training = model.training
     model.eval()
     try:
@@ -229,4 +234,73 @@ class GainSwitchOnSchedule:
         self.dead_rows = list(state["dead_rows"])
 
 
-__all__ = ["GainSwitchOnSchedule", "PhaseScaleSchedule", "Ramp", "Schedule", "ValueSchedule", "channel_p90"]
+class NormAnnealSchedule:
+    """Input norm power ``beta = 1 - ramp(progress)`` of a converted QK-Norm model (``qkmap_input_norm``).
+
+    ``calibrate`` (once, on the calibration blocks, at ``beta = 1``) sets each head's ``r`` to its mean ``rms(z)``,
+    so the scale of the norm's output stays put as ``beta`` falls. At ``beta = 0`` the norm is ``weight / r`` and
+    ``fold_input_norm`` removes it exactly (``qkmap heal`` does so before the final save).
+    """
+
+    name = "norm_anneal"
+
+    def __init__(self, ramp: Ramp = Ramp(0.0, 0.8)):
+        self.ramp = ramp
+        self.reference_scale: list[torch.Tensor] = []
+
+    def _norms(self, model: nn.Module) -> list[nn.Module]:
+        return [getattr(a, n) for a in feature_map_layers(model) if hasattr(a, "q_norm") for n in ("q_norm", "k_norm")]
+
+    def prepare(self, model: nn.Module) -> None:
+        if not getattr(model.config, "qkmap_input_norm", False):
+            raise ValueError(
+                "the norm annealing schedule needs a model with an input norm (config.qkmap_input_norm is false); "
+                "it is for converted QK-Norm (Qwen3) checkpoints."
+            )
+        if self.reference_scale:  # resumed: restore the calibrated r
+            with torch.no_grad():
+                for norm, scale in zip(self._norms(model), self.reference_scale, strict=True):
+                    norm.reference_scale.copy_(scale.to(norm.reference_scale.device))
+
+    def due(self, step: int) -> bool:
+        return not self.reference_scale
+
+    def calibrate(self, model: nn.Module, blocks: torch.Tensor, step: int, batch_size: int = 4) -> None:
+        """Measure ``r`` at ``beta = 1`` (the converted model's own norm), whatever ``beta`` is now."""
+        from ..conversion.input_norm import calibrate_reference_scale
+
+        power = model.config.qkmap_input_norm_power
+        was_training = model.training
+        model.eval()
+        try:
+            model.config.qkmap_input_norm_power = 1.0
+            calibrate_reference_scale(model, (blocks[i : i + batch_size] for i in range(0, len(blocks), batch_size)))
+        finally:
+            model.config.qkmap_input_norm_power = power
+            model.train(was_training)
+        self.reference_scale = [norm.reference_scale.detach().float().cpu().clone() for norm in self._norms(model)]
+
+    def power(self, progress: float) -> float:
+        return 1.0 - self.ramp(progress)
+
+    def apply(self, model: nn.Module, progress: float) -> None:
+        from ..conversion.input_norm import set_input_norm_power
+
+        set_input_norm_power(model, self.power(progress))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference_scale": self.reference_scale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reference_scale = list(state["reference_scale"])
+
+
+__all__ = [
+    "GainSwitchOnSchedule",
+    "NormAnnealSchedule",
+    "PhaseScaleSchedule",
+    "Ramp",
+    "Schedule",
+    "ValueSchedule",
+    "channel_p90",
+]
