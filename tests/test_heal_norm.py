@@ -103,7 +103,6 @@ class _LogitsBeforeFold(TrainerCallback):
             self.logits = model.eval()(input_ids=self.ids.to(model.device)).logits.cpu()
 
 
-@pytest.mark.slow
 def test_heal_anneals_the_norm_and_saves_plain_qk_map_with_the_same_function(folders, tmp_path):
     ids = _blocks(folders, 2)
     probe = _LogitsBeforeFold(ids)
