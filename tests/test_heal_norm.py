@@ -15,7 +15,7 @@ from qkmap_hf.assets import shakespeare_text
 from qkmap_hf.training.data import build_datasets, byte_level_tokenizer
 from qkmap_hf.training.heal import HealOptions, heal
 from qkmap_hf.training.options import TrainOptions
-from qkmap_hf.training.schedules import NormAnnealSchedule, Ramp
+from qkmap_hf.training.schedules import NormAnnealSchedule, Ramp, channel_p90
 from tests.utils import tiny_config_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,3 +127,22 @@ def test_heal_anneals_the_norm_and_saves_plain_qk_map_with_the_same_function(fol
         logits = saved(input_ids=ids).logits
     torch.testing.assert_close(logits, probe.logits, rtol=1e-4, atol=1e-4)
     assert (probe.logits - _load(folders["conv"])(input_ids=ids).logits).abs().max() > 1e-2  # it did train
+
+
+def test_phase_calibration_measures_the_norm_output_the_feature_map_sees(folders):
+    """On a converted QK-Norm model ``p90 |z|`` is taken after the input norm, not from ``q_proj``/``k_proj``."""
+    model, blocks = _load(folders["conv"]), _blocks(folders, 2)
+    attention = model.model.layers[0].self_attn
+    captured = []
+    hooks = [getattr(attention, n).register_forward_hook(lambda _m, _i, out: captured.append(out)) for n in
+             ("q_norm", "k_norm")]  # fmt: skip
+    with torch.no_grad():
+        model(input_ids=blocks)
+    for hook in hooks:
+        hook.remove()
+    kv_heads = model.config.num_key_value_heads
+    # (batch, seq, heads, m) -> every (token, head of the group) of each key head: (samples, kv_heads, m)
+    groups = [z.reshape(-1, kv_heads, z.shape[-2] // kv_heads, z.shape[-1]).transpose(1, 2) for z in captured]
+    values = torch.cat([z.reshape(-1, kv_heads, z.shape[-1]) for z in groups]).abs()
+    expected = torch.quantile(values, 0.9, dim=0)
+    torch.testing.assert_close(channel_p90(model, blocks)[0], expected, rtol=1e-5, atol=1e-6)
