@@ -13,6 +13,9 @@ Healing is ``qkmap train`` (same options, data, optimizer groups, checkpoints) w
 - every evaluation adds a row (``OUT/heal.json``, ``OUT/heal.csv``): per-layer median/p90 phase, regime and cos
   energy share (``qkmap_hf.phases``), held-out perplexity and KL to the teacher.
 
+A converted QK-Norm (Qwen3) model (``qkmap_input_norm``) also gets ``NormAnnealSchedule``: its norm power goes
+1 -> 0 over ``norm_ramp`` and the norm is folded into ``q_proj``/``k_proj`` before the final save (plain QK-MAP).
+
 The healed model is saved with absolute gains (the native parametrization; the frequencies are fixed at the end,
 so it is the same function) and ``qkmap_healing.json`` with source, recipe and tokens seen for the card.
 """
