@@ -29,33 +29,5 @@ $PY -m qkmap_hf convert "$OUT/qwen3" "$OUT/qwen3-qkmap" --init exact --verify "$
     --max-tokens 4096 --overwrite --no-progress
 # Perplexity in the models' own context (128-token blocks): the training run's held-out split (same files, seed and
 # split as the run) and Milton's Comus (never trained on); source loaded by transformers alone, converted by qkmap_hf.
-$PY - "$OUT" "$DATA_DIR/comus_gut.txt" "${FILES[@]}" <<'PY'
-import json, math, sys
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-import qkmap_hf  # noqa: F401
-from qkmap_hf.training.data import build_datasets, pack_blocks
-
-out, comus, files = sys.argv[1], sys.argv[2], sys.argv[3:]
-tokenizer = AutoTokenizer.from_pretrained(f"{out}/qwen3")
-_, held_out, _ = build_datasets(files, tokenizer, 128, max_eval_blocks=128, split_seed=0)
-comus_ids = tokenizer(open(comus, encoding="utf-8").read(), return_tensors="pt").input_ids[0]
-splits = {"shakespeare_held_out": held_out.blocks, "comus": pack_blocks(comus_ids, 128)[:128]}
-models = {
-    "qwen3_source": AutoModelForCausalLM.from_pretrained(f"{out}/qwen3", dtype=torch.float32).eval(),
-    "qkmap_converted": AutoModelForCausalLM.from_pretrained(f"{out}/qwen3-qkmap", dtype=torch.float32).eval(),
-}
-results = {"block_size": 128, "splits": {}}
-for split, blocks in splits.items():
-    row = {"blocks": len(blocks), "tokens": int(blocks.numel())}
-    for name, model in models.items():
-        with torch.no_grad():
-            losses = [model(b[None], labels=b[None]).loss.item() for b in blocks]
-        row[f"{name}_loss"] = sum(losses) / len(losses)
-        row[f"{name}_perplexity"] = math.exp(row[f"{name}_loss"])
-    results["splits"][split] = row
-results["classes"] = {name: type(model).__name__ for name, model in models.items()}
-print(json.dumps(results, indent=2))
-with open(f"{out}/perplexity.json", "w") as handle:
-    json.dump(results, handle, indent=2)
-PY
+$PY benchmarks/folder_perplexity.py "$OUT/perplexity.json" --unseen "$DATA_DIR/comus_gut.txt" --unseen-name comus --data "${FILES[@]}" \
+    --models qwen3_source="$OUT/qwen3" qkmap_converted="$OUT/qwen3-qkmap"
