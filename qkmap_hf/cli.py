@@ -1,7 +1,9 @@
 """The ``qkmap`` command: a thin layer of argument parsing over the library API.
 
 Each subcommand lives in ``qkmap_hf/commands/<name>.py`` and defines ``HELP`` (one line),
-``add_arguments(parser)`` and ``run(args) -> int``. A module that forwards its arguments untouched to
+``add_arguments(parser)`` and ``run(args) -> int``. A command whose options are dataclasses (``train``, ``heal``,
+``compare``) defines ``option_classes()`` instead of most of ``add_arguments``: its parser is transformers'
+``HfArgumentParser`` over those classes, one flag per field (``qkmap_hf.flags``). A module that forwards its arguments untouched to
 another program (``qkmap eval`` hands over to lm-eval's CLI) defines ``run_raw(argv) -> int`` instead.
 Modules load only when their command runs, so ``qkmap --help`` stays fast.
 
@@ -51,15 +53,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"qkmap-hf {__version__}")
     parser.add_argument("--debug", action="store_true", help=f"show the traceback of an error (or set {DEBUG_ENV}=1)")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_command_parser)
     for name in COMMANDS:
         module = _command_module(name)
         sub = subparsers.add_parser(
-            name, help=module.HELP, description=module.HELP, add_help=not hasattr(module, "run_raw")
+            name,
+            help=module.HELP,
+            description=module.HELP,
+            add_help=not hasattr(module, "run_raw"),
+            option_classes=module.option_classes() if hasattr(module, "option_classes") else (),
         )
         if hasattr(module, "add_arguments"):
             module.add_arguments(sub)
     return parser
+
+
+def _command_parser(option_classes: tuple[type, ...] = (), **kwargs) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``HfArgumentParser`` over its option dataclasses, or a plain one."""
+    if option_classes:
+        from .flags import make_parser
+
+        return make_parser(option_classes, **kwargs)
+    return argparse.ArgumentParser(**kwargs)
 
 
 def refusal_types() -> tuple[type[BaseException], ...]:

@@ -1,23 +1,17 @@
-"""``python -m qkmap_hf.train``: the ``qkmap train`` entry point for launchers.
+"""``python -m qkmap_hf.train ARGS`` = ``python -m qkmap_hf train ARGS``, kept for launch scripts that use it.
 
-    torchrun --nproc-per-node 2 -m qkmap_hf.train --model tiny --data corpus.txt --output-dir out
-    accelerate launch -m qkmap_hf.train --model tiny --data corpus.txt --output-dir out
-
-Same flags as ``qkmap train``; the Trainer reads the launcher's environment (RANK, WORLD_SIZE...) and runs DDP.
+The one entry point is ``qkmap_hf.cli.main`` (``torchrun -m qkmap_hf train ...``); this alias only prepends ``train``.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from .commands import train as train_command
+from .cli import main as cli_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qkmap_hf.train", description=train_command.HELP)
-    train_command.add_arguments(parser)
-    return train_command.run(parser.parse_args(argv))
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def test_two_process_ddp_matches_one_process_on_the_same_global_batch(corpus, tm
               "--max-eval-blocks", "16", "--save-steps", "0", "--disable-tqdm"]  # fmt: skip
     _run([sys.executable, "-m", "qkmap_hf.train", *common, "--batch-size", "8", "--output-dir", str(tmp_path / "one")],
          tmp_path)
-    _run([*_torchrun(2), "-m", "qkmap_hf.train", *common, "--batch-size", "4", "--output-dir", str(tmp_path / "two")],
+    _run([*_torchrun(2), "-m", "qkmap_hf", "train", *common, "--batch-size", "4", "--output-dir", str(tmp_path / "two")],
          tmp_path)
     one = json.loads((tmp_path / "one" / PROVENANCE_FILE).read_text())
     two = json.loads((tmp_path / "two" / PROVENANCE_FILE).read_text())

@@ -1,4 +1,8 @@
-"""``qkmap train``: pretrain a size preset or up-train a checkpoint (see qkmap_hf/training/trainer.py)."""
+"""``qkmap train``: pretrain a size preset or up-train a checkpoint (see qkmap_hf/training/trainer.py).
+
+Its flags are ``TrainOptions``' fields (qkmap_hf/training/options.py). Under a launcher:
+``torchrun --nproc-per-node 2 -m qkmap_hf train ...`` or ``accelerate launch -m qkmap_hf train ...``.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,15 @@ import os
 HELP = "Train a size preset from scratch or up-train a checkpoint (Trainer; DDP/FSDP under torchrun; --lora)."
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..training.options import add_train_arguments
+def option_classes() -> tuple[type, ...]:
+    from ..training.options import TrainOptions
 
-    add_train_arguments(parser)
+    return (TrainOptions,)
 
 
-def run(args: argparse.Namespace) -> int:
-    import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
-
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse missing inputs before any model is built (shared with ``qkmap heal``)."""
     from ..training.presets import PRESETS
-    from ..training.trainer import TrainOptions, train
     from .paths import require_path, require_paths
 
     if args.model not in PRESETS:
@@ -28,7 +30,16 @@ def run(args: argparse.Namespace) -> int:
     require_path("--fsdp-config", args.fsdp_config, "JSON file")
     if args.resume not in (None, "latest"):
         require_path("--resume", args.resume, "checkpoint folder")
-    result = train(TrainOptions.from_args(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
+
+    from ..flags import options_from_namespace
+    from ..training.trainer import TrainOptions, train
+
+    check_paths(args)
+    result = train(options_from_namespace(TrainOptions, args))
     eval_loss = result.eval_metrics.get("eval_loss")
     summary = f"saved to {result.output_dir}"
     if eval_loss is not None:

@@ -24,9 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..flags import OverridesAction, collected_by, parse_overrides
 from ..modeling.configuration_qkmap import QK_MODES
 from .optim import QKMAP_LR_MULTIPLIER
-from .presets import get_preset
+from .presets import PRESETS, get_preset
 
 CSV_FIELDS = ("mode", "seed", "step", "split", "loss")
 TRAIN_KEYS = {"learning_rate", "qkmap_learning_rate", "qkmap_lr_multiplier", "weight_decay", "qkmap_weight_decay"}
@@ -59,8 +60,6 @@ def parse_variant(text: str) -> Variant:
     Keys are QKMapConfig fields or training settings (``learning_rate``, ``qkmap_lr_multiplier`` alias
     ``qk_lr_multiplier``...), e.g. ``qk_map_wide_range:qk_mode=qk_map,qkmap_max_frequency=10``.
     """
-    from .options import parse_overrides
-
     label, _, spec = text.partition(":")
     label = label.strip()
     if not label:
@@ -78,34 +77,54 @@ def parse_variant(text: str) -> Variant:
     return Variant(label, qk_mode, values, train)
 
 
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
 @dataclass
 class CompareOptions:
-    """Settings of one comparison; every run shares them (see the module docstring)."""
+    """Settings of one comparison; every run shares them (see the module docstring). Field ``steps`` is ``--steps``."""
 
-    data: list[str]
-    output_dir: str
-    preset: str = "tiny"
-    steps: int = 200
-    seeds: int = 3
-    first_seed: int = 0
-    variants: list[Variant] = field(default_factory=lambda: [Variant(mode, mode) for mode in QK_MODES])
-    config: dict[str, Any] = field(default_factory=dict)  # QKMapConfig fields for every run
-    tokenizer: str | None = None
-    text_field: str = "text"
-    block_size: int | None = None
-    batch_size: int | None = None
-    learning_rate: float | None = None
-    qkmap_lr_multiplier: float = QKMAP_LR_MULTIPLIER
-    weight_decay: float = 0.1
-    warmup: float = 0.05
-    eval_steps: int | None = None
-    logging_steps: int | None = None
-    max_eval_blocks: int = 64
-    eval_fraction: float = 0.05
-    split_seed: int = 0
-    max_tokens: int | None = None
-    attn_implementation: str = "sdpa"
-    qk_norm_in_qk_group: bool = False  # the sweep sets it: qk_lr_multiplier then tunes QK-Norm's weights too
+    data: list[str] = field(metadata=_help("text, JSONL or dataset folders", metavar="PATH"))
+    output_dir: str = field(metadata=_help("where losses.csv, the plots, the summary and the runs go"))
+    preset: str = field(default="tiny", metadata=_help(f"size preset: {', '.join(PRESETS)}"))
+    steps: int = field(default=200, metadata=_help("optimizer steps per run"))
+    seeds: int = field(default=3, metadata=_help("number of seeds (first-seed, first-seed+1, ...)"))
+    first_seed: int = field(default=0, metadata=_help("first seed"))
+    variants: list[Variant] = field(
+        default_factory=lambda: [Variant(mode, mode) for mode in QK_MODES],
+        metadata=_help(
+            "an arm of the comparison (default: standard, qk_norm, qk_map); repeatable, e.g. "
+            "qk_map_f2:qk_mode=qk_map,qkmap_num_frequencies=2",
+            aliases=["--variant"],
+            action=collected_by(parse_variant),
+            metavar="LABEL[:FIELD=VALUE,...]",
+        ),
+    )
+    config: dict[str, Any] = field(
+        default_factory=dict, metadata=_help("QKMapConfig field for every run; repeatable", action=OverridesAction)
+    )
+    tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: byte-level)"))
+    text_field: str = field(default="text", metadata=_help("JSONL field / dataset column with the text"))
+    block_size: int | None = field(default=None, metadata=_help("tokens per packed block (default: the preset's)"))
+    batch_size: int | None = field(default=None, metadata=_help("batch (default: the preset's)"))
+    learning_rate: float | None = field(default=None, metadata=_help("base learning rate (default: the preset's)"))
+    qkmap_lr_multiplier: float = field(
+        default=QKMAP_LR_MULTIPLIER, metadata=_help("QK-MAP learning rate as a multiple of the base")
+    )
+    weight_decay: float = field(default=0.1, metadata=_help("AdamW weight decay of the matrices"))
+    warmup: float = field(default=0.05, metadata=_help("warm-up steps, or a fraction if < 1"))
+    eval_steps: int | None = field(default=None, metadata=_help("steps between evaluations (default: steps / 10)"))
+    logging_steps: int | None = field(default=None, metadata=_help("steps between loss logs (default: steps / 50)"))
+    max_eval_blocks: int = field(default=64, metadata=_help("cap on held-out blocks"))
+    eval_fraction: float = field(default=0.05, metadata=_help("held-out share of the blocks"))
+    split_seed: int = field(default=0, metadata=_help("seed of the held-out split"))
+    max_tokens: int | None = field(default=None, metadata=_help("read at most this many tokens"))
+    attn_implementation: str = field(default="sdpa", metadata=_help("attention kernel of every run"))
+    qk_norm_in_qk_group: bool = field(
+        default=False,
+        metadata=_help("QK-Norm's weights at the QK-MAP group's rate (--tune sets it: qk_lr_multiplier tunes both)"),
+    )
 
 
 @dataclass
@@ -126,7 +145,13 @@ def _read_rows(path: Path) -> list[dict]:
         return []
     with path.open() as handle:
         return [
-            {"mode": r["mode"], "seed": int(r["seed"]), "step": int(r["step"]), "split": r["split"], "loss": float(r["loss"])}
+            {
+                "mode": r["mode"],
+                "seed": int(r["seed"]),
+                "step": int(r["step"]),
+                "split": r["split"],
+                "loss": float(r["loss"]),
+            }
             for r in csv.DictReader(handle)
         ]
 
@@ -145,10 +170,24 @@ def rows_from_history(label: str, seed: int, history: list[dict]) -> list[dict]:
     rows = []
     for entry in history:
         if "loss" in entry:
-            rows.append({"mode": label, "seed": seed, "step": int(entry["step"]), "split": "train", "loss": float(entry["loss"])})
+            rows.append(
+                {
+                    "mode": label,
+                    "seed": seed,
+                    "step": int(entry["step"]),
+                    "split": "train",
+                    "loss": float(entry["loss"]),
+                }
+            )
         if "eval_loss" in entry:
             rows.append(
-                {"mode": label, "seed": seed, "step": int(entry["step"]), "split": "validation", "loss": float(entry["eval_loss"])}
+                {
+                    "mode": label,
+                    "seed": seed,
+                    "step": int(entry["step"]),
+                    "split": "validation",
+                    "loss": float(entry["eval_loss"]),
+                }
             )
     return rows
 
@@ -160,13 +199,22 @@ def prepare_data(options: CompareOptions) -> tuple[Any, tuple, int]:
 
     block_size = options.block_size or get_preset(options.preset).block_size
     base = TrainOptions(
-        model=options.preset, data=list(options.data), output_dir=str(Path(options.output_dir) / "runs"),
-        tokenizer=options.tokenizer, text_field=options.text_field,
+        model=options.preset,
+        data=list(options.data),
+        output_dir=str(Path(options.output_dir) / "runs"),
+        tokenizer=options.tokenizer,
+        text_field=options.text_field,
     )
     tokenizer = load_tokenizer(base)
     datasets = build_datasets(
-        options.data, tokenizer, block_size, text_field=options.text_field, eval_fraction=options.eval_fraction,
-        max_eval_blocks=options.max_eval_blocks, split_seed=options.split_seed, max_tokens=options.max_tokens,
+        options.data,
+        tokenizer,
+        block_size,
+        text_field=options.text_field,
+        eval_fraction=options.eval_fraction,
+        max_eval_blocks=options.max_eval_blocks,
+        split_seed=options.split_seed,
+        max_tokens=options.max_tokens,
     )
     return tokenizer, datasets, block_size
 
@@ -182,8 +230,13 @@ def run_comparison(options: CompareOptions) -> ComparisonResult:
     logging_steps = options.logging_steps or max(1, options.steps // 50)
     seeds = list(range(options.first_seed, options.first_seed + options.seeds))
     tokenizer, datasets, block_size = prepare_data(options)
-    settings = {**asdict(options), "block_size": block_size, "eval_steps": eval_steps, "logging_steps": logging_steps,
-                "data_stats": datasets[2].to_dict()}
+    settings = {
+        **asdict(options),
+        "block_size": block_size,
+        "eval_steps": eval_steps,
+        "logging_steps": logging_steps,
+        "data_stats": datasets[2].to_dict(),
+    }
     (out / "compare.json").write_text(json.dumps(settings, indent=2, default=str) + "\n")
 
     csv_path = out / "losses.csv"
@@ -198,8 +251,15 @@ def run_comparison(options: CompareOptions) -> ComparisonResult:
             rows = [r for r in rows if not (r["mode"] == variant.label and r["seed"] == seed)]
             started = time.time()
             result = train_run(
-                options, variant, seed, datasets, tokenizer, out / "runs" / f"{variant.label}-seed{seed}",
-                block_size=block_size, eval_steps=eval_steps, logging_steps=logging_steps,
+                options,
+                variant,
+                seed,
+                datasets,
+                tokenizer,
+                out / "runs" / f"{variant.label}-seed{seed}",
+                block_size=block_size,
+                eval_steps=eval_steps,
+                logging_steps=logging_steps,
             )
             timing[f"{variant.label}/{seed}"] = time.time() - started
             rows += rows_from_history(variant.label, seed, result.log_history)

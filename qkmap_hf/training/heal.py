@@ -27,7 +27,7 @@ import io
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from transformers import TrainerCallback
 
 from ..fileio import atomic_write_json, atomic_write_text
+from ..flags import fraction_window, parsed_by
 from ..phases import PhaseRecorder, feature_map_layers
 from .optim import QKMapTrainer
 from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
@@ -47,23 +48,61 @@ HEAL_PROVENANCE = "qkmap_healing.json"
 STATE_FILE = "heal_state.safetensors"
 
 
+WINDOW = parsed_by(fraction_window)
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
 @dataclass
 class HealOptions:
-    """What ``qkmap heal`` adds to ``qkmap train``'s options (flags ``--alpha``, ``--phase-ramp``...)."""
+    """What ``qkmap heal`` adds to ``qkmap train``'s options; field ``phase_ramp`` is flag ``--phase-ramp``.
 
-    teacher: str
-    alpha: float = 1.2
-    phase_ramp: tuple[float, float] = (0.0, 0.5)
-    layerwise: bool = False
-    block_spread: float = 2.0
-    recalibrate_every: int = 10
-    calibration_blocks: int = 8
-    switch_on_ramp: tuple[float, float] = (0.4, 0.6)
-    switch_on_key_gain: float = 0.3
-    kl_weight: float = 1.0
-    kl_weight_end: float | None = None
-    native_gains: bool = True
-    norm_ramp: tuple[float, float] = (0.0, 0.8)
+    Schedules are fractions of ``--max-steps``, so a short run goes all the way.
+    """
+
+    teacher: str = field(metadata=_help("the source model folder (the converted model's origin)"))
+    alpha: float = field(default=1.2, metadata=_help("target p90 phase per channel, rad"))
+    phase_ramp: tuple[float, float] = field(
+        default=(0.0, 0.5),
+        metadata=_help(
+            "window over which omega goes log-linearly to alpha / p90|z|", action=WINDOW, metavar="START:END"
+        ),
+    )
+    layerwise: bool = field(default=False, metadata=_help("ramp the layers one after another, first to last"))
+    block_spread: float = field(default=2.0, metadata=_help("phase ratio between frequency blocks"))
+    recalibrate_every: int = field(
+        default=10, metadata=_help("re-measure p90|z| every N steps to hold the phases (0: calibrate once)")
+    )
+    calibration_blocks: int = field(default=8, metadata=_help("held-out blocks that measure p90|z|"))
+    switch_on_ramp: tuple[float, float] = field(
+        default=(0.4, 0.6),
+        metadata=_help(
+            "window over which dead (cos, extra-block) key gains ramp to --switch-on-key-gain",
+            action=WINDOW,
+            metavar="START:END",
+        ),
+    )
+    switch_on_key_gain: float = field(default=0.3, metadata=_help("key gain of the switched-on rows"))
+    kl_weight: float = field(default=1.0, metadata=_help("lambda in CE + lambda * KL(teacher||student)"))
+    kl_weight_end: float | None = field(
+        default=None, metadata=_help("lambda at the end of the run (linear; default: constant)")
+    )
+    native_gains: bool = field(
+        default=True,
+        metadata=_help(
+            "save with the native absolute gains (--keep-inverse-frequency-gains: the inverse-frequency ones)"
+        ),
+    )
+    norm_ramp: tuple[float, float] = field(
+        default=(0.0, 0.8),
+        metadata=_help(
+            "converted QK-Norm models: window over which the norm power goes 1 -> 0 (folded away at the end)",
+            action=WINDOW,
+            metavar="START:END",
+        ),
+    )
 
     def schedules(self) -> tuple[PhaseScaleSchedule, GainSwitchOnSchedule, ValueSchedule]:
         phase = PhaseScaleSchedule(self.alpha, Ramp(*self.phase_ramp), layerwise=self.layerwise,

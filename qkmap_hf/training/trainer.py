@@ -1,6 +1,6 @@
 """``qkmap train``: pretrain a size preset or up-train a checkpoint with transformers' Trainer.
 
-One function, ``train(options)``, serves ``qkmap train``, ``python -m qkmap_hf.train`` under ``torchrun`` or
+One function, ``train(options)``, serves ``qkmap train``, ``torchrun -m qkmap_hf train`` or
 ``accelerate launch`` (the Trainer reads the launcher's environment and runs DDP; ``--fsdp`` shards by decoder
 layer) and ``qkmap compare`` (which passes pre-built datasets so every run sees the same tokens).
 
@@ -27,7 +27,7 @@ from transformers import default_data_collator
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
 from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
 from .optim import QKMapTrainer, classify_parameters
-from .options import TrainOptions, TrainResult, add_train_arguments, parse_overrides
+from .options import TrainOptions, TrainResult, parse_overrides, shared_training_arguments
 from .presets import PRESETS, get_preset, preset_config
 
 logger = logging.getLogger(__name__)
@@ -121,47 +121,35 @@ def bf16_enabled(setting: str) -> bool:
 
 
 def training_arguments(options: TrainOptions, resolved: dict[str, Any], model, has_eval: bool):
-    """transformers ``TrainingArguments`` for ``options``."""
+    """transformers ``TrainingArguments`` for ``options``: the shared fields as they are, plus what is derived here."""
+    from dataclasses import fields
+
     from transformers import TrainingArguments
 
     on_cpu = not torch.cuda.is_available() and not (
         hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
     )
-    fsdp_config = fsdp_settings(options, model) if options.fsdp else None
     save_steps = options.save_steps
-    return TrainingArguments(
-        output_dir=options.output_dir,
+    derived = dict(
         max_steps=options.max_steps if options.max_steps and options.max_steps > 0 else -1,
-        num_train_epochs=options.num_train_epochs,
         per_device_train_batch_size=resolved["batch_size"],
         per_device_eval_batch_size=options.eval_batch_size or resolved["batch_size"],
-        gradient_accumulation_steps=options.gradient_accumulation_steps,
         learning_rate=resolved["learning_rate"],
-        weight_decay=options.weight_decay,
-        adam_beta2=options.adam_beta2,
-        lr_scheduler_type=options.lr_scheduler,
-        warmup_steps=options.warmup,
-        max_grad_norm=options.max_grad_norm,
-        seed=options.seed,
         data_seed=options.seed,
         bf16=bf16_enabled(options.bf16),
-        activation_checkpointing=options.gradient_checkpointing,
-        logging_steps=options.logging_steps,
         logging_first_step=True,
         eval_strategy="steps" if has_eval else "no",
         eval_steps=options.eval_steps if has_eval else None,
         eval_on_start=options.eval_on_start and has_eval,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
-        save_total_limit=options.save_total_limit,
-        report_to=options.report_to,
-        disable_tqdm=options.disable_tqdm,
-        dataloader_num_workers=options.dataloader_num_workers,
         use_cpu=on_cpu,
         ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         fsdp=True if options.fsdp else None,
-        fsdp_config=fsdp_config,
+        fsdp_config=fsdp_settings(options, model) if options.fsdp else None,
     )
+    shared = shared_training_arguments(options, {f.name for f in fields(TrainingArguments)})
+    return TrainingArguments(**{**shared, **derived})
 
 
 def fsdp_settings(options: TrainOptions, model) -> dict[str, Any]:
@@ -234,7 +222,9 @@ def parallel_summary(trainer) -> dict[str, Any]:
         if isinstance(module, FullyShardedDataParallel):
             wrapped.add(type(module.module).__name__)
         elif FSDPModule and isinstance(module, FSDPModule):
-            wrapped.add(next(c.__name__ for c in type(module).__mro__ if c is not FSDPModule and "FSDP" not in c.__name__))
+            wrapped.add(
+                next(c.__name__ for c in type(module).__mro__ if c is not FSDPModule and "FSDP" not in c.__name__)
+            )
     return {
         "world_size": trainer.args.world_size,
         "parallel_mode": str(trainer.args.parallel_mode.value),
@@ -249,8 +239,16 @@ def _activation_checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
-def _write_provenance(path: Path, options: TrainOptions, resolved: dict, data: DataStats, model, result: TrainResult,
-                      parallel: dict, resumed_from: str | None) -> None:
+def _write_provenance(
+    path: Path,
+    options: TrainOptions,
+    resolved: dict,
+    data: DataStats,
+    model,
+    result: TrainResult,
+    parallel: dict,
+    resumed_from: str | None,
+) -> None:
     config = getattr(model, "config", None)
     grouped = classify_parameters(model, qk_norm_in_qk_group=options.qk_norm_in_qk_group)
     groups = {name: sum(p.numel() for _, p in members) for name, members in grouped.items()}
@@ -298,7 +296,9 @@ def train(
     check_train_options(options)
     check_output_dir(options.model, options.output_dir, is_checkpoint=not is_preset(options.model))
     if options.lora and options.fsdp:
-        raise ValueError("--lora with --fsdp is not supported by qkmap train (merging needs the full weights); use DDP.")
+        raise ValueError(
+            "--lora with --fsdp is not supported by qkmap train (merging needs the full weights); use DDP."
+        )
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
     model_config = None
     if not is_preset(options.model) and Path(options.model, "config.json").exists():
@@ -354,7 +354,9 @@ def train(
             "--fsdp: accelerate enables FSDP only on accelerators (CUDA/XPU/NPU...); this run (%s, world size %d) "
             "uses %s instead. The decoder-layer wrapping is tested on CPU with torch's fully_shard directly "
             "(tests/test_distributed.py).",
-            trainer.args.device, trainer.args.world_size, trainer.args.parallel_mode.value,
+            trainer.args.device,
+            trainer.args.world_size,
+            trainer.args.parallel_mode.value,
         )
     resumed_from = resume_checkpoint(options)
     train_output = trainer.train(resume_from_checkpoint=resumed_from)
@@ -378,8 +380,14 @@ def train(
     if trainer.is_world_process_zero():
         Path(options.output_dir).mkdir(parents=True, exist_ok=True)
         _write_provenance(
-            Path(options.output_dir) / PROVENANCE_FILE, options, resolved, data_stats, model, result,
-            parallel_summary(trainer), resumed_from,
+            Path(options.output_dir) / PROVENANCE_FILE,
+            options,
+            resolved,
+            data_stats,
+            model,
+            result,
+            parallel_summary(trainer),
+            resumed_from,
         )
         if has_eval:
             loss = eval_metrics.get("eval_loss")
@@ -387,4 +395,4 @@ def train(
     return result
 
 
-__all__ = ["TrainOptions", "TrainResult", "add_train_arguments", "parse_overrides", "train"]
+__all__ = ["TrainOptions", "TrainResult", "parse_overrides", "train"]

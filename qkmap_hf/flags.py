@@ -1,0 +1,135 @@
+"""Command-line flags from help-annotated dataclasses: every option is declared once, as a field.
+
+transformers' ``HfArgumentParser`` turns each field of an options dataclass (``TrainOptions``, ``HealOptions``,
+``CompareOptions``) into a flag: ``--max-steps`` (``--max_steps`` works too), the default and the help from the
+field (``field(default=..., metadata={"help": ...})``), a bool field as ``--flag`` (or ``--flag yes/no``) and, when it
+defaults to True, ``--no-flag``; ``list[...]`` fields take one or more values, ``Literal[...]`` fields their choices.
+
+``HfArgumentParser`` hands a field's metadata to ``add_argument`` as it is. Where the annotation alone cannot say how
+a flag's text becomes the value, the metadata names one of the actions below, which takes the place of the type the
+parser derives from the annotation:
+
+- ``parsed_by(parse)``: store ``parse(text)`` (``--phase-ramp 0:0.5`` -> ``(0.0, 0.5)``, ``--warmup 10`` -> steps);
+- ``collected_by(parse)``: a repeatable flag whose values form a list (``--variant``);
+- ``OverridesAction``: a repeatable ``FIELD=VALUE`` flag whose values form a dict (``--config``);
+
+and ``metadata={"nargs": "?", "const": ...}`` gives a flag an optional value (``--resume [CHECKPOINT]``).
+A value that does not parse raises ``ValueError`` naming the flag, which ``qkmap_hf.cli.main`` reports (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def parse_value(text: str) -> Any:
+    """JSON when it parses (numbers, true, null, lists), else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> dict; values are JSON when they parse (numbers, true, null), else strings."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--config {item!r} must look like FIELD=VALUE, e.g. qkmap_min_frequency=0.1.")
+        overrides[key.strip()] = parse_value(value.strip())
+    return overrides
+
+
+def steps_or_fraction(text: str) -> float:
+    """``"10"`` -> 10 (steps), ``"0.05"`` -> 0.05 (a fraction of the run), as the Trainer reads them."""
+    value = float(text)
+    return int(value) if value >= 1 and value.is_integer() else value
+
+
+def fraction_window(text: str) -> tuple[float, float]:
+    """``"START:END"`` (fractions of the run) -> ``(start, end)``."""
+    start, sep, end = text.partition(":")
+    if not sep:
+        raise ValueError(f"{text!r}: give START:END as fractions of the run, e.g. 0:0.5")
+    return float(start), float(end)
+
+
+class _ParsedAction(argparse.Action):
+    """Stores ``parse(value)``; subclasses set ``parse`` and ``collect``."""
+
+    parse: Callable[[str], Any] = staticmethod(str)
+    collect = False
+
+    def __init__(self, option_strings, dest, type=None, **kwargs):  # noqa: A002 (argparse's keyword)
+        super().__init__(option_strings, dest, **kwargs)  # the annotation's type gives way to ``parse``
+
+    def _parse(self, text: str, option_string: str | None) -> Any:
+        try:
+            return type(self).parse(text)
+        except (ValueError, TypeError) as error:
+            if str(error).startswith("--"):  # the parser already named the flag
+                raise
+            raise ValueError(f"{option_string or self.dest} {text!r}: {error}") from None
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not self.collect:
+            setattr(namespace, self.dest, self._parse(values, option_string))
+            return
+        current = getattr(namespace, self.dest, None)
+        collected = [] if current is None or current is self.default else list(current)
+        for text in values if isinstance(values, list) else [values]:
+            collected.append(self._parse(text, option_string))
+        setattr(namespace, self.dest, collected)
+
+
+def parsed_by(parse: Callable[[str], Any]) -> type[argparse.Action]:
+    """The argparse action for a flag whose value is ``parse(text)``."""
+    return type(f"Parsed_{parse.__name__}", (_ParsedAction,), {"parse": staticmethod(parse)})
+
+
+def collected_by(parse: Callable[[str], Any]) -> type[argparse.Action]:
+    """The argparse action for a repeatable flag: the list of ``parse(text)`` (replacing the field's default)."""
+    return type(f"Collected_{parse.__name__}", (_ParsedAction,), {"parse": staticmethod(parse), "collect": True})
+
+
+class OverridesAction(argparse.Action):
+    """``--config FIELD=VALUE`` (repeatable) -> ``{field: value, ...}``, values as in ``parse_overrides``."""
+
+    def __init__(self, option_strings, dest, type=None, **kwargs):  # noqa: A002 (argparse's keyword)
+        kwargs.setdefault("metavar", "FIELD=VALUE")
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None) or {}
+        setattr(namespace, self.dest, {**current, **parse_overrides([values])})
+
+
+def options_from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
+    """An options dataclass from a parsed namespace (the fields it has; the rest keep their defaults)."""
+    values = {f.name: getattr(namespace, f.name) for f in fields(cls) if f.init and hasattr(namespace, f.name)}
+    return cls(**values)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def make_parser(dataclass_types: tuple[type, ...], **kwargs) -> argparse.ArgumentParser:
+    """``HfArgumentParser`` over ``dataclass_types`` (flags with their defaults in ``--help``)."""
+    from transformers import HfArgumentParser
+
+    kwargs.setdefault("formatter_class", _DefaultsFormatter)
+    return HfArgumentParser(dataclass_types, **kwargs)
