@@ -1,7 +1,7 @@
 """lm-eval integration: the ``qkmap`` model type (an ``HFLM`` subclass) and the bundled offline task pack.
 
 lm-eval has no entry-point discovery, so importing this module is what registers ``--model qkmap``;
-``qkmap eval`` imports it and then hands over to lm-eval's own CLI. From Python::
+``qkmap eval`` imports it and then hands over to lm-eval's own CLI (``run_lm_eval_cli``). From Python::
 
     import lm_eval, qkmap_hf.lm_eval
     lm_eval.simple_evaluate(model="qkmap", model_args={"pretrained": "path/or/repo"}, tasks=["qkmap_next_line"],
@@ -77,6 +77,72 @@ def task_manager(**kwargs: Any):
     return TaskManager(include_path=[str(task_pack_dir()), *(str(p) for p in extra)], **kwargs)
 
 
+def run_lm_eval_cli(argv: list[str]) -> int:
+    """lm-eval's command line on ``argv`` (``run ...``, ``ls ...``, ``validate ...``), with ``--model qkmap``
+    registered and the bundled task pack on ``--include_path``; returns the exit code.
+
+    It calls ``lm_eval.__main__.cli_evaluate``, the function behind lm-eval's ``lm-eval`` console script (its one
+    public command-line API; it reads ``sys.argv``). That CLI takes one ``--include_path``: a user's own folder is
+    combined with the task pack in a temporary folder of links (``linked_task_folder``).
+    """
+    import sys
+    import tempfile
+
+    from lm_eval.__main__ import cli_evaluate
+
+    argv, user_path = _take_include_path(list(argv))
+    with tempfile.TemporaryDirectory(prefix="qkmap-tasks-") as scratch:
+        include = str(task_pack_dir())
+        if user_path:
+            include = str(linked_task_folder([task_pack_dir(), Path(user_path)], Path(scratch)))
+        saved_argv = sys.argv
+        sys.argv = ["lm-eval", *argv, "--include_path", include]
+        try:
+            cli_evaluate()
+        except SystemExit as stop:
+            return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        finally:
+            sys.argv = saved_argv
+    return 0
+
+
+def _take_include_path(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without ``--include_path DIR`` / ``--include_path=DIR``, and that DIR (None when absent)."""
+    path = None
+    for index, arg in enumerate(argv):
+        if arg == "--include_path" and index + 1 < len(argv):
+            path = argv[index + 1]
+            return argv[:index] + argv[index + 2 :], path
+        if arg.startswith("--include_path="):
+            return argv[:index] + argv[index + 1 :], arg.partition("=")[2]
+    return argv, path
+
+
+def linked_task_folder(sources: list[Path], into: Path) -> Path:
+    """One folder holding every source's task files as links, one subfolder per source (layouts kept).
+
+    lm-eval scans with ``glob("**/*.yaml")``, which does not enter linked folders, so folders are made and only
+    files are linked; a YAML's ``!function utils.f`` finds ``utils.py`` beside its link.
+    """
+    for number, source in enumerate(sources):
+        if not source.is_dir():
+            raise FileNotFoundError(f"--include_path {source}: no such task folder.")
+        for folder, files in _walk(source):
+            target = into / f"source{number}" / Path(folder).relative_to(source)
+            target.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                (target / name).symlink_to(Path(folder, name).resolve())
+    return into
+
+
+def _walk(source: Path):
+    import os
+
+    for folder, dirs, files in os.walk(source, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        yield folder, files
+
+
 def split_model_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split ``model_args`` into (HFLM arguments, ``from_pretrained`` extras); raise on keys that fit neither."""
     kwargs = dict(kwargs)
@@ -133,7 +199,11 @@ class QKMapLM(HFLM):
         model = self.model
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) == "qkmap":
-            source = "checkpoint files (trust_remote_code)" if type(model).__module__.startswith("transformers_modules") else "qkmap_hf"
+            source = (
+                "checkpoint files (trust_remote_code)"
+                if type(model).__module__.startswith("transformers_modules")
+                else "qkmap_hf"
+            )
             logger.info(
                 "Evaluating a QK-MAP checkpoint: qk_mode=%s, attn_implementation=%s, dtype=%s, code from %s",
                 config.qk_mode,
@@ -145,13 +215,18 @@ class QKMapLM(HFLM):
     def _create_model(self, pretrained: str, **kwargs: Any) -> None:
         """With ``trust_remote_code=True``, load a QK-MAP checkpoint through its own modeling files."""
         auto_map = getattr(self.config, "auto_map", None) or {}
-        if not (kwargs.get("trust_remote_code") and self.config.model_type == "qkmap" and "AutoModelForCausalLM" in auto_map):
+        if not (
+            kwargs.get("trust_remote_code") and self.config.model_type == "qkmap" and "AutoModelForCausalLM" in auto_map
+        ):
             return super()._create_model(pretrained, **kwargs)
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         # transformers prefers registered classes over remote code; ask for the checkpoint's class explicitly.
         remote_class = get_class_from_dynamic_module(
-            auto_map["AutoModelForCausalLM"], pretrained, revision=kwargs.get("revision"), subfolder=kwargs.get("subfolder") or ""
+            auto_map["AutoModelForCausalLM"],
+            pretrained,
+            revision=kwargs.get("revision"),
+            subfolder=kwargs.get("subfolder") or "",
         )
         auto_class = self.AUTO_MODEL_CLASS
         self.AUTO_MODEL_CLASS = _CheckpointClass(remote_class)
