@@ -60,6 +60,30 @@ def test_translate_argv_maps_model_and_dashed_flags():
         translate_argv(["ckpt", "--model_args", "pretrained=other"])
 
 
+def test_dashed_flags_with_values_after_equals_sign_are_translated():
+    argv = translate_argv(["ckpt", "--tasks=qkmap_next_line", "--output-path=out-dir", "-o", "x-y", "--log-samples"])
+    assert argv[5:] == ["--tasks=qkmap_next_line", "--output_path=out-dir", "-o", "x-y", "--log_samples"]
+
+
+def test_user_include_path_is_combined_with_the_task_pack(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    user = tmp_path / "my_tasks" / "nested"
+    user.mkdir(parents=True)
+    yaml_text = (task_pack_dir() / "qkmap_next_line.yaml").read_text()
+    yaml_text = yaml_text.replace("task: qkmap_next_line", "task: my_next_line").replace(
+        "qkmap_hf.tasks.loaders.load_next_line", "my_loader.load"
+    )
+    (user / "my_next_line.yaml").write_text(yaml_text)
+    (user / "my_loader.py").write_text("from qkmap_hf.tasks.loaders import load_next_line as load\n")
+    folder = qkmap_lm_eval.linked_task_folder([task_pack_dir(), tmp_path / "my_tasks"], tmp_path / "linked")
+    loaded = TaskManager(include_path=str(folder), include_defaults=False).load(["my_next_line", "qkmap_next_line"])
+    mine, ours = (list(loaded["tasks"][name].test_docs()) for name in ("my_next_line", "qkmap_next_line"))
+    assert len(mine) == len(ours) == 160 and mine == ours  # the user's loader, found beside its linked YAML
+    with pytest.raises(FileNotFoundError, match="--include_path"):
+        qkmap_lm_eval.linked_task_folder([tmp_path / "missing"], tmp_path / "linked2")
+
+
 def test_task_pack_is_package_relative(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing may resolve against the working directory
     manager = qkmap_lm_eval.task_manager(include_defaults=False)
