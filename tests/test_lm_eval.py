@@ -54,7 +54,11 @@ def test_translate_argv_maps_model_and_dashed_flags():
         "run", "--model", "qkmap", "--model_args", "pretrained=ckpt",
         "--tasks", "hellaswag,arc_easy", "--output_path", "out", "--batch_size", "8", "--num_fewshot", "5",
     ]  # fmt: skip
-    assert translate_argv(["--model", "hf", "--model_args", "pretrained=gpt2", "--tasks", "x"])[:3] == ["run", "--model", "hf"]
+    assert translate_argv(["--model", "hf", "--model_args", "pretrained=gpt2", "--tasks", "x"])[:3] == [
+        "run",
+        "--model",
+        "hf",
+    ]
     assert translate_argv(["ls", "tasks"]) == ["ls", "tasks"]
     with pytest.raises(SystemExit, match="keep one"):
         translate_argv(["ckpt", "--model_args", "pretrained=other"])
@@ -88,7 +92,13 @@ def test_task_pack_is_package_relative(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing may resolve against the working directory
     manager = qkmap_lm_eval.task_manager(include_defaults=False)
     loaded = manager.load(["qkmap_local"])["tasks"]
-    assert set(loaded) == {"qkmap_shakespeare_ppl", "qkmap_next_line", "qkmap_needle_256", "qkmap_needle_512", "qkmap_needle_1024"}
+    assert set(loaded) == {
+        "qkmap_shakespeare_ppl",
+        "qkmap_next_line",
+        "qkmap_needle_256",
+        "qkmap_needle_512",
+        "qkmap_needle_1024",
+    }
     needle = list(loaded["qkmap_needle_1024"].test_docs())
     assert len(needle) == 100
     assert all(900 <= doc["length"] <= 1100 for doc in needle)
@@ -97,7 +107,9 @@ def test_task_pack_is_package_relative(tmp_path, monkeypatch):
     next_line = list(loaded["qkmap_next_line"].test_docs())
     assert len(next_line) == 160 and all(len(doc["choices"]) == 4 for doc in next_line)
     # the generic task takes its length from --metadata, the fixed variants do not
-    custom = qkmap_lm_eval.task_manager(include_defaults=False, metadata={"needle_words": 96, "needle_examples": 3}).load(["qkmap_needle", "qkmap_needle_256"])
+    custom = qkmap_lm_eval.task_manager(
+        include_defaults=False, metadata={"needle_words": 96, "needle_examples": 3}
+    ).load(["qkmap_needle", "qkmap_needle_256"])
     docs = list(custom["tasks"]["qkmap_needle"].test_docs())
     assert len(docs) == 3 and all(80 <= doc["length"] <= 110 for doc in docs)
     assert all(230 <= doc["length"] <= 280 for doc in custom["tasks"]["qkmap_needle_256"].test_docs())
@@ -146,7 +158,11 @@ def test_python_path_with_and_without_remote_code(models):
     manager = qkmap_lm_eval.task_manager(include_defaults=False)
     path = str(models["qk_map"])
     by_name = lm_eval.simple_evaluate(
-        model="qkmap", model_args=f"pretrained={path},dtype=float32", tasks=["qkmap_next_line"], limit=8, task_manager=manager
+        model="qkmap",
+        model_args=f"pretrained={path},dtype=float32",
+        tasks=["qkmap_next_line"],
+        limit=8,
+        task_manager=manager,
     )
     remote = qkmap_lm_eval.QKMapLM(pretrained=path, trust_remote_code=True, dtype="float32")
     assert type(remote.model).__module__.startswith("transformers_modules")  # the checkpoint's own files
