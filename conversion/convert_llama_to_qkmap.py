@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert a Llama-style checkpoint to QK-MAP attention: the same as ``qkmap convert SRC DST ...``.
 
-    python conversion/convert_llama_to_qkmap.py SRC DST [--init exact|canonical] [--num-frequencies F]
+    python conversion/convert_llama_to_qkmap.py SRC DST [--init exact|native] [--num-frequencies F]
         [--dtype bfloat16|float32] [--gguf-file NAME] [--verify TEXTFILE] [--overwrite]
 
 All logic lives in ``qkmap_hf.conversion``; this script only hands its arguments to the command's parser.

@@ -93,7 +93,7 @@ class VerificationReport:
             ),
         ]
         if self.qkmap_init is not None:
-            init = {"exact": f"exact, omega_0={self.qkmap_exact_frequency:g}", "native": "canonical (native)"}.get(
+            init = {"exact": f"exact, omega_0={self.qkmap_exact_frequency:g}", "native": "native"}.get(
                 self.qkmap_init, self.qkmap_init
             )
             rows.insert(0, ("converted init", init))

@@ -289,10 +289,10 @@ def test_more_frequency_blocks_and_bfloat16(converted, ids):
     assert half.config.dtype in ("bfloat16", torch.bfloat16)
 
 
-def test_canonical_init_uses_native_parametrization(converted, ids, tmp_path):
+def test_native_init_uses_native_parametrization(converted, ids, tmp_path):
     entry = converted["llama"]
-    dst = tmp_path / "canonical"
-    convert_checkpoint(entry["src"], dst, init="canonical", progress=False)
+    dst = tmp_path / "native"
+    convert_checkpoint(entry["src"], dst, init="native", progress=False)
     config = qkmap_hf.QKMapConfig.from_pretrained(dst)
     assert config.qkmap_init == "native" and config.qkmap_gain_parametrization == "absolute"
     tensors = load_tensors(dst)
@@ -301,7 +301,7 @@ def test_canonical_init_uses_native_parametrization(converted, ids, tmp_path):
     assert torch.all(tensors["model.layers.1.self_attn.qk_map.query_gain"] == 1)
     omega = initial["log_frequency"].exp()
     assert math.isclose(omega.min().item(), 0.1, rel_tol=1e-5) and math.isclose(omega.max().item(), 3.0, rel_tol=1e-5)
-    assert json.loads((dst / "qkmap_conversion.json").read_text())["init"] == "canonical"
+    assert json.loads((dst / "qkmap_conversion.json").read_text())["init"] == "native"
     model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
     with torch.no_grad():
         kl = kl_per_token(entry["model"](ids).logits[0], model(ids).logits[0])
@@ -347,3 +347,12 @@ def test_supported_architectures_listed():
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
     }
+
+
+def test_canonical_is_the_deprecated_name_of_the_native_init():
+    from qkmap_hf.cli import build_parser
+    from qkmap_hf.conversion.options import ConversionOptions
+
+    with pytest.warns(FutureWarning, match="'canonical' is deprecated"):
+        assert ConversionOptions(init="canonical").init == "native"
+    assert build_parser().parse_args(["convert", "a", "b", "--init", "canonical"]).init == "canonical"

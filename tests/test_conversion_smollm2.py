@@ -118,13 +118,13 @@ def test_reload_without_qkmap_hf_matches_source(exact, text_file, tmp_path):
     assert kl_per_token(source_logits, saved["logits"]).max().item() <= KL_BOUND
 
 
-def test_canonical_drift_is_measured_and_reported(exact, text_file, tmp_path):
-    """--init canonical is not function-preserving; the verify report shows how far it drifts."""
+def test_native_init_drift_is_measured_and_reported(exact, text_file, tmp_path):
+    """--init native is not function-preserving; the verify report shows how far it drifts."""
     source = AutoModelForCausalLM.from_pretrained(exact["src"], dtype=torch.float32).eval()
-    canonical = convert_model(source, init="canonical")
+    native = convert_model(source, init="native")
     tokenizer = AutoTokenizer.from_pretrained(exact["src"])
     report = verify_conversion(
-        source, canonical, text_file, max_tokens=96, generate_tokens=4, tokenizer=tokenizer, save_to=tmp_path
+        source, native, text_file, max_tokens=96, generate_tokens=4, tokenizer=tokenizer, save_to=tmp_path
     )
     assert isinstance(report, VerificationReport) and report.qkmap_init == "native"
     assert report.mean_kl > 1e-2 and report.converted_perplexity > report.source_perplexity

@@ -17,9 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", metavar="DST", help="output folder (written atomically)")
     parser.add_argument(
         "--init",
-        choices=("exact", "canonical"),
+        choices=("exact", "native", "canonical"),
         default="exact",
-        help="exact: function-preserving (omega_0, gains 1/omega_0); canonical: native frequencies, drifts",
+        help="exact: function-preserving (omega_0, gains 1/omega_0); native: QKMapConfig's own init (geometric "
+        "frequencies, unit gains), drifts; canonical: deprecated name of native",
     )
     parser.add_argument("--num-frequencies", type=int, default=1, metavar="F", help="frequency blocks F (default 1)")
     parser.add_argument("--omega0", type=float, default=1e-3, help="omega_0 of the exact init (default 1e-3)")

@@ -126,7 +126,7 @@ class ArchitectureAdapter:
         """The output tensors source tensor ``name`` contributes to: none (dropped), one, or several (a split).
 
         An output computed from several source tensors (a merge) may be yielded by each of them with the
-        same ``sources``; it is planned once. Exact and canonical inits copy W_q/W_k unchanged: with
+        same ``sources``; it is planned once. Exact and native inits copy W_q/W_k unchanged: with
         ``m = head_dim`` the projections feed ``z`` as they fed RoPE before.
         """
         if not name.endswith(_DROPPED_SUFFIXES):

@@ -79,7 +79,7 @@ def convert_model(
     dtype: torch.dtype | str | None = None,
     share_weights: bool = False,
 ):
-    """Return a ``QKMapForCausalLM`` computing ``model``'s function (``init="exact"``) or its canonical start.
+    """Return a ``QKMapForCausalLM`` computing ``model``'s function (``init="exact"``) or its native start (``init="native"``).
 
     Uses the same adapter and tensor plan as ``convert_checkpoint``. Weights are copied unless
     ``share_weights=True`` (then the converted model shares storage with ``model`` where dtypes agree).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ from ..modeling.configuration_qkmap import FLOAT32_MAX, FLOAT32_TINY, QKMapConfi
 from .adapters import ArchitectureAdapter
 from .errors import ConversionError
 
-INITS = ("exact", "canonical")
+INITS = ("exact", "native")  # QKMapConfig.qkmap_init's names
+# The old name of the native init, still accepted (--init canonical, init="canonical"); see ConversionOptions.
+DEPRECATED_INIT_NAMES = {"canonical": "native"}
 DEFAULT_OMEGA0 = 1e-3
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -30,7 +33,13 @@ class ConversionOptions:
     dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        init = "canonical" if self.init == "native" else self.init
+        init = DEPRECATED_INIT_NAMES.get(self.init, self.init)
+        if init != self.init:
+            warnings.warn(
+                f"init={self.init!r} is deprecated; it is called {init!r} (QKMapConfig.qkmap_init).",
+                FutureWarning,
+                stacklevel=3,
+            )
         object.__setattr__(self, "init", init)
         if init not in INITS:
             raise ConversionError(f"init={self.init!r} is invalid; choose one of: {', '.join(INITS)}.")

@@ -43,7 +43,7 @@ def conversion_provenance(result: ConversionResult, base_model: str | None = Non
         "torch_version": torch.__version__,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    if options.init == "canonical":
+    if options.init == "native":
         provenance["frequency_range"] = [config.qkmap_min_frequency, config.qkmap_max_frequency]
     if resolved.gguf_file is not None:
         provenance["gguf_file"] = resolved.gguf_file
