@@ -82,7 +82,9 @@ def package_conversion(
         report.save(folder / VERIFICATION_NAME)
         if report.non_finite():  # NaN/inf logits: DST never appears (see qkmap_hf.verify)
             bad = ", ".join(report.non_finite())
-            raise ConversionError(f"verifying {result.dst} gave non-finite {bad}; the model is broken, nothing written.")
+            raise ConversionError(
+                f"verifying {result.dst} gave non-finite {bad}; the model is broken, nothing written."
+            )
         provenance["verification"] = report.summary()
         if progress:
             print(report.table())
