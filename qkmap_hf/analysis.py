@@ -42,7 +42,7 @@ from .attention_probes import (
     use_eager_attention,
 )
 from .fileio import atomic_write_json
-from .phases import describe, phase_magnitudes, quantiles, regime_from_roles
+from .phases import describe, input_dim_of, phase_magnitudes, quantiles, regime_from_roles
 
 FORMAT = "qkmap-analysis/1"
 
@@ -79,7 +79,12 @@ def _scale_hook(factor: float) -> Callable:
 
 
 def _contrast_hook(
-    layer: AttentionLayer, question: torch.Tensor, evidence: torch.Tensor, distractor: torch.Tensor, lifts: list, masses: list
+    layer: AttentionLayer,
+    question: torch.Tensor,
+    evidence: torch.Tensor,
+    distractor: torch.Tensor,
+    lifts: list,
+    masses: list,
 ) -> Callable:
     """Hook: reduce the question rows of one layer to per-head log2 lift and evidence mass, keep nothing else."""
 
@@ -96,7 +101,7 @@ def _contrast_hook(
 
 def _phase_stats(layer: AttentionLayer, z: torch.Tensor) -> dict[str, float]:
     """``|omega * z|`` over tokens, heads, frequencies and channels (``qkmap_hf.phases``, the one definition)."""
-    m = getattr(layer.attention, "projection_dim", None) or z.shape[-1] // layer.feature_map.frequency().shape[0]
+    m = input_dim_of(layer.attention) or z.shape[-1] // layer.feature_map.frequency().shape[0]
     return quantiles(phase_magnitudes(z, layer.feature_map.frequency(), m))
 
 
@@ -119,7 +124,9 @@ def _windows(tokenizer, text: str, settings: AnalysisSettings) -> tuple[torch.Te
     return torch.tensor(rows), bos is not None
 
 
-def _capture_all(model: nn.Module, layers: list[AttentionLayer], input_ids: torch.Tensor, with_phase: bool) -> tuple[list, dict]:
+def _capture_all(
+    model: nn.Module, layers: list[AttentionLayer], input_ids: torch.Tensor, with_phase: bool
+) -> tuple[list, dict]:
     """Unscaled attention of every layer, each attention module's inputs, and the q/k projections of QK-MAP layers."""
     attentions: list[torch.Tensor | None] = [None] * len(layers)
     projections: dict[tuple[int, str], torch.Tensor] = {}
@@ -214,7 +221,9 @@ def _needle_ids(tokenizer, example) -> tuple[list[int], list[str]]:
     return ids, kinds
 
 
-def evidence_contrast(model, layers, tokenizer, settings: AnalysisSettings, max_positions: int | None, progress) -> dict:
+def evidence_contrast(
+    model, layers, tokenizer, settings: AnalysisSettings, max_positions: int | None, progress
+) -> dict:
     """Analysis 3: attention per evidence token over attention per distractor token, from the question tokens."""
     from .tasks.needle import make_needle_examples
 
@@ -229,7 +238,9 @@ def evidence_contrast(model, layers, tokenizer, settings: AnalysisSettings, max_
             skipped.append({"length": length, "reason": f"exceeds max_position_embeddings={max_positions}"})
             progress(settings.needle_examples)
             continue
-        examples = make_needle_examples(length, settings.needle_examples, seed=settings.seed, count=count, depths=depths)
+        examples = make_needle_examples(
+            length, settings.needle_examples, seed=settings.seed, count=count, depths=depths
+        )
         lifts, masses, token_counts = [], [], []
         for example in examples:
             ids, kinds = _needle_ids(tokenizer, example)
@@ -328,7 +339,9 @@ def analyze_model(
             "label": label,
             "model_class": type(model).__name__,
             "model_type": getattr(config, "model_type", None),
-            "qk_mode": getattr(config, "qk_mode", "standard" if getattr(config, "model_type", None) == "llama" else None),
+            "qk_mode": getattr(
+                config, "qk_mode", "standard" if getattr(config, "model_type", None) == "llama" else None
+            ),
             "num_layers": len(layers),
             "num_heads": baseline[0].shape[1],
             "scale_sensitivity": scale_sensitivity(layers, baseline, settings.scales, bar.update),
@@ -347,12 +360,22 @@ def analyze_model(
                 for layer in layers
                 if layer.feature_map is not None
             ]
-            result["phase"] = {"metric": "|omega * z| over tokens, heads, frequencies, channels", "layers": phases, "regime": _regime(phases)}
+            result["phase"] = {
+                "metric": "|omega * z| over tokens, heads, frequencies, channels",
+                "layers": phases,
+                "regime": _regime(phases),
+            }
         del baseline
         max_positions = getattr(config, "max_position_embeddings", None)
         result["evidence_contrast"] = evidence_contrast(model, layers, tokenizer, settings, max_positions, bar.update)
         result["answer_contrast"] = probes.answer_value_contrast(
-            model, layers, tokenizer, settings.context_lengths, settings.needle_examples, settings.seed, max_positions,
+            model,
+            layers,
+            tokenizer,
+            settings.context_lengths,
+            settings.needle_examples,
+            settings.seed,
+            max_positions,
             bar.update,
         )
     finally:
@@ -365,7 +388,9 @@ def analyze_model(
 # --------------------------------------------------------------------------------------------------
 
 
-def load_for_analysis(path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_for_analysis(
+    path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu"
+):
     """Model (eager attention) and tokenizer of a checkpoint folder or Hub id; QK-MAP needs no remote code."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -377,7 +402,9 @@ def load_for_analysis(path: str | Path, *, trust_remote_code: bool = False, dtyp
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        raise ValueError(f"{path} has no loadable tokenizer ({error}); the analysis needs one next to the weights.") from error
+        raise ValueError(
+            f"{path} has no loadable tokenizer ({error}); the analysis needs one next to the weights."
+        ) from error
     return model.to(device).eval(), tokenizer
 
 

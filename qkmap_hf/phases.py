@@ -34,10 +34,18 @@ REGIME_DESCRIPTIONS = {
 }
 
 
-def phase_magnitudes(z: torch.Tensor, frequency: torch.Tensor, projection_dim: int) -> torch.Tensor:
-    """``|omega * z|`` as ``(tokens, kv_heads, groups, F, m)``; ``z`` is ``(..., heads * m)`` from ``q_proj``/``k_proj``."""
+def input_dim_of(attention: torch.nn.Module) -> int | None:
+    """``m`` of a QK-MAP attention layer: ``QKMapConfig.resolved_qkmap_input_dim`` (for remote code saved before
+    that name existed, the layer's ``q_proj`` width per head, which is ``m`` in qk_map mode); None if neither."""
+    config = getattr(attention, "config", None)
+    return getattr(config, "resolved_qkmap_input_dim", None) or getattr(attention, "projection_dim", None)
+
+
+def phase_magnitudes(z: torch.Tensor, frequency: torch.Tensor, input_dim: int) -> torch.Tensor:
+    """``|omega * z|`` as ``(tokens, kv_heads, groups, F, m)``; ``z`` is ``(..., heads * m)`` from ``q_proj``/``k_proj``
+    and ``input_dim`` is ``m`` (``QKMapConfig.resolved_qkmap_input_dim``)."""
     kv_heads, num_freq = frequency.shape[0], frequency.shape[1]
-    m = projection_dim
+    m = input_dim
     z = z.flatten(-2) if z.dim() == 4 else z  # an input norm's output is (batch, seq, heads, m)
     z = z.detach().float().reshape(-1, z.shape[-1] // m, m)
     z = z.view(z.shape[0], kv_heads, z.shape[1] // kv_heads, 1, m)
@@ -136,7 +144,7 @@ class PhaseRecorder:
             with torch.no_grad():
                 feature_map = attention.qk_map
                 frequency = feature_map.frequency()
-                phases = phase_magnitudes(output, frequency, attention.projection_dim)
+                phases = phase_magnitudes(output, frequency, input_dim_of(attention))
                 gain = feature_map.query_gain if role == "query" else feature_map.key_gain
                 energy = cos_sin_energy(phases, feature_map.effective_gain(gain, frequency))
                 totals = self.energy.setdefault(layer, {}).setdefault(role, [0.0, 0.0])

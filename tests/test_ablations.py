@@ -53,7 +53,7 @@ def test_logit_scale_multiplier_is_a_temperature_in_every_mode():
         reference.model.layers[1].self_attn.q_proj.weight.mul_(3.0)
         assert torch.allclose(scaled(x).logits, reference(x).logits, atol=1e-5)
     # qk_map: the multiplier multiplies the mode's scale (None: 1/sqrt(m); an explicit qkmap_logit_scale)
-    m = QKMapConfig(**tiny_config_kwargs()).qkmap_feature_dim_per_block
+    m = QKMapConfig(**tiny_config_kwargs()).resolved_qkmap_input_dim
     with torch.no_grad():
         explicit = build("qk_map", qkmap_logit_scale=2.0 / m**0.5)(x).logits
         multiplied = build("qk_map", qkmap_logit_scale=None, logit_scale_multiplier=2.0)(x).logits
@@ -176,7 +176,7 @@ def test_default_logit_scale_is_auto_and_old_checkpoints_keep_theirs(tmp_path):
     import json
 
     config = QKMapConfig(**tiny_config_kwargs())
-    m = config.qkmap_feature_dim_per_block
+    m = config.resolved_qkmap_input_dim
     assert config.qkmap_logit_scale == pytest.approx(4.0 / m**0.5)
     config.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["qkmap_logit_scale"] == pytest.approx(4.0 / m**0.5)

@@ -44,6 +44,9 @@ def test_derived_widths():
     assert (compact.projection_dim, compact.query_key_dim) == (4, 16)
     standard = QKMapConfig(qk_mode="standard", qkmap_input_dim=4, **tiny_config_kwargs())
     assert (standard.projection_dim, standard.query_key_dim) == (16, 16)
+    # m has one name: the field qkmap_input_dim, resolved (None -> head_dim) as resolved_qkmap_input_dim
+    assert (wide.resolved_qkmap_input_dim, compact.resolved_qkmap_input_dim) == (16, 4)
+    assert compact.qkmap_feature_dim_per_block == 4  # the deprecated old name still answers
 
 
 INVALID = [

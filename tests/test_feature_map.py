@@ -76,7 +76,7 @@ def test_module_gradients_equal_the_formula_with_inverse_frequency_gains(paramet
         feature_map.key_gain.mul_(1 + 0.5 * torch.randn_like(feature_map.key_gain))
         feature_map.log_frequency.add_(0.3 * torch.randn_like(feature_map.log_frequency))
     cos, sin = model.model.rotary_emb(torch.empty(0), torch.arange(3, 10).unsqueeze(0))
-    m = config.qkmap_feature_dim_per_block
+    m = config.resolved_qkmap_input_dim
     q = torch.randn(2, 7, config.num_attention_heads, m).transpose(1, 2).requires_grad_()
     k = torch.randn(2, 7, config.num_key_value_heads, m).transpose(1, 2).requires_grad_()
     params = [feature_map.log_frequency, feature_map.query_gain, feature_map.key_gain]

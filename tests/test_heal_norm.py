@@ -66,7 +66,7 @@ def test_norm_schedule_is_exact_at_start_reaches_zero_and_calibrates_r(folders):
     with torch.no_grad():
         model(input_ids=blocks)
     hook.remove()
-    z = captured[0].view(*blocks.shape, -1, attention.projection_dim)
+    z = captured[0].view(*blocks.shape, -1, attention.config.resolved_qkmap_input_dim)
     expected = (z.pow(2).mean(-1) + attention.q_norm.variance_epsilon).sqrt().mean(dim=(0, 1))
     torch.testing.assert_close(attention.q_norm.reference_scale.data, expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(expected, torch.ones_like(expected), atol=0.05)

@@ -92,7 +92,7 @@ def test_feature_norm_is_fixed_over_six_decades(num_frequencies, sharing):
                          **tiny_config_kwargs())
     model = QKMapForCausalLM(config)
     feature_map = model.model.layers[0].self_attn.qk_map
-    m = config.qkmap_feature_dim_per_block
+    m = config.resolved_qkmap_input_dim
     position_ids = torch.arange(9).unsqueeze(0)
     cos, sin = model.model.rotary_emb(torch.empty(0), position_ids)
     base = torch.randn(1, config.num_attention_heads, 9, m, dtype=torch.float64).float()
@@ -417,12 +417,12 @@ def test_fused_feature_map_equals_the_written_out_formula(num_frequencies, shari
         feature_map.query_gain.normal_()
         feature_map.key_gain.normal_()
     cos, sin = model.model.rotary_emb(torch.empty(0), torch.arange(5, 12).unsqueeze(0))
-    q = torch.randn(2, config.num_attention_heads, 7, config.qkmap_feature_dim_per_block)
-    k = torch.randn(2, config.num_key_value_heads, 7, config.qkmap_feature_dim_per_block)
+    q = torch.randn(2, config.num_attention_heads, 7, config.resolved_qkmap_input_dim)
+    k = torch.randn(2, config.num_key_value_heads, 7, config.resolved_qkmap_input_dim)
     with torch.no_grad():
         fused_q, fused_k = feature_map(q, k, cos, sin)
         omega = feature_map.frequency()
-        omega_full = omega.expand(-1, -1, config.qkmap_feature_dim_per_block)
+        omega_full = omega.expand(-1, -1, config.resolved_qkmap_input_dim)
         tables = cos.double(), sin.double()
         expected_q = written_out_features(q.double(), omega_full.double(), feature_map.query_gain.double(), *tables)
         expected_k = written_out_features(k.double(), omega_full.double(), feature_map.key_gain.double(), *tables)

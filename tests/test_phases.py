@@ -43,7 +43,7 @@ def test_recorder_statistics_match_a_direct_computation():
     summary = recorder.summary()
     layer = summary["layers"][0]
 
-    m, kv_heads = attention.projection_dim, config.num_key_value_heads
+    m, kv_heads = config.resolved_qkmap_input_dim, config.num_key_value_heads
     omega = feature_map.frequency()
     shares, pooled = {}, []
     for role, gain in (("query", feature_map.query_gain), ("key", feature_map.key_gain)):

@@ -97,7 +97,7 @@ class QKMapConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        m = self.qkmap_feature_dim_per_block
+        m = self.resolved_qkmap_input_dim
         if self.qkmap_logit_scale == "auto" and isinstance(m, int) and m > 0:  # else validation names the bad width
             # exact init reproduces standard attention, whose scale is 1/sqrt(m); native init: the measured factor
             factor = 1.0 if self.qkmap_init == "exact" else QKMAP_AUTO_LOGIT_SCALE_FACTOR
@@ -168,9 +168,9 @@ class QKMapConfig(LlamaConfig):
         positive("qkmap_num_frequencies", self.qkmap_num_frequencies)
         if self.qkmap_input_dim is not None:
             positive("qkmap_input_dim", self.qkmap_input_dim)
-        if self.qkmap_feature_dim_per_block % 2 != 0:
+        if self.resolved_qkmap_input_dim % 2 != 0:
             raise ValueError(
-                f"QKMapConfig.qkmap_input_dim={self.qkmap_feature_dim_per_block} must be even: RoPE rotates channel "
+                f"QKMapConfig.qkmap_input_dim={self.resolved_qkmap_input_dim} must be even: RoPE rotates channel "
                 "pairs inside each block."
             )
         if self.head_dim % 2 != 0:
@@ -222,21 +222,28 @@ class QKMapConfig(LlamaConfig):
             )
 
     @property
-    def qkmap_feature_dim_per_block(self) -> int:
-        """``m``: the width of ``z`` per head (and of each sin/cos block)."""
+    def resolved_qkmap_input_dim(self) -> int:
+        """``m`` in effect: ``qkmap_input_dim``, or ``head_dim`` when it is None (the width of ``z`` per head and of
+        each sin/cos block). The one name of ``m`` besides the field itself."""
         return self.qkmap_input_dim if self.qkmap_input_dim is not None else self.head_dim
+
+    @property
+    def qkmap_feature_dim_per_block(self) -> int:
+        """Deprecated old name of ``resolved_qkmap_input_dim`` (kept for code saved with older checkpoints)."""
+        return self.resolved_qkmap_input_dim
 
     @property
     def query_key_dim(self) -> int:
         """Width of the queries and keys that reach the attention kernel (and the key cache)."""
         if self.qk_mode == "qk_map":
-            return 2 * self.qkmap_num_frequencies * self.qkmap_feature_dim_per_block
+            return 2 * self.qkmap_num_frequencies * self.resolved_qkmap_input_dim
         return 2 * self.head_dim if self.qk_position_prior == "constant" else self.head_dim
 
     @property
     def projection_dim(self) -> int:
-        """Width per head of ``q_proj``/``k_proj`` outputs."""
-        return self.qkmap_feature_dim_per_block if self.qk_mode == "qk_map" else self.head_dim
+        """Width per head of ``q_proj``/``k_proj`` outputs: ``m`` (``resolved_qkmap_input_dim``) in qk_map mode,
+        else ``head_dim``. A layer width, not another name of ``m``."""
+        return self.resolved_qkmap_input_dim if self.qk_mode == "qk_map" else self.head_dim
 
 
 __all__ = ["QKMapConfig", "QK_MODES", "QK_POSITION_PRIORS"]

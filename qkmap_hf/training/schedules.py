@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..phases import feature_map_layers
+from ..phases import feature_map_layers, input_dim_of
 
 
 class Schedule(Protocol):
@@ -98,7 +98,7 @@ def channel_p90(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> 
     values: list[list[torch.Tensor]] = [[] for _ in layers]
     handles = []
     for index, attention in enumerate(layers):
-        kv_heads, m = attention.qk_map.log_frequency.shape[0], attention.projection_dim
+        kv_heads, m = attention.qk_map.log_frequency.shape[0], input_dim_of(attention)
 
         def grab(_module, _inputs, output, index=index, kv_heads=kv_heads, m=m):
             output = output.flatten(-2) if output.dim() == 4 else output  # norm output: (batch, seq, heads, m)
