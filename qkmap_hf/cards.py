@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .fileio import atomic_write_text
+from .fileio import atomic_copy, atomic_write_text
 from .phases import describe, regime_from_roles
 from .version import __version__
 
@@ -252,7 +251,9 @@ def _datasets(records: dict[str, dict]) -> list[str] | None:
 def _settings(config: dict) -> list[tuple[str, str]]:
     if config.get("qk_mode", "standard") == "qk_map":
         rows = [(key, _format_value(value)) for key, value in sorted(config.items()) if key.startswith("qkmap_")]
-        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1)
+        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(
+            config.get("num_attention_heads", 1), 1
+        )
         m = config.get("qkmap_input_dim") or head_dim
         width = 2 * int(config.get("qkmap_num_frequencies", 1)) * int(m)
         rows.append(("query/key width (2 F m)", str(width)))
@@ -302,7 +303,9 @@ def _import_analysis(analysis_dir: Path, model_dir: Path) -> tuple[dict, dict]:
         )
     analysis = _read_json(analysis_json, "analysis.json")
     if not str(analysis.get("format", "")).startswith("qkmap-analysis/"):
-        raise ValueError(f"{analysis_json} is not a `qkmap analyze` result (its 'format' is {analysis.get('format')!r}).")
+        raise ValueError(
+            f"{analysis_json} is not a `qkmap analyze` result (its 'format' is {analysis.get('format')!r})."
+        )
     entry = _pick_analysis_model(analysis, model_dir)
     source_root = analysis_json.parent
     target_root = model_dir / ANALYSIS_SUBDIR
@@ -316,9 +319,9 @@ def _import_analysis(analysis_dir: Path, model_dir: Path) -> tuple[dict, dict]:
             if not source.is_file():
                 raise FileNotFoundError(f"{analysis_json} lists plot {relative!r} but {source} is missing.")
             name = relative.replace("/", "__")
-            shutil.copyfile(source, target_root / name)
+            atomic_copy(source, target_root / name)
             copied[title] = f"{ANALYSIS_SUBDIR}/{name}"
-        shutil.copyfile(analysis_json, target_root / "analysis.json")
+        atomic_copy(analysis_json, target_root / "analysis.json")
     else:
         copied = {title: f"{ANALYSIS_SUBDIR}/{relative}" for title, relative in plots.items()}
     entry = dict(entry or {}, card_plots=copied)
@@ -338,7 +341,8 @@ def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
             f"{Path(str(settings.get('text_file') or 'text')).name}"
         ),
         "scale_summary": [
-            {"scale": s, "value": f"{v:.4g}"} for s, v in sorted((scale.get("mean") or {}).items(), key=lambda x: float(x[0]))
+            {"scale": s, "value": f"{v:.4g}"}
+            for s, v in sorted((scale.get("mean") or {}).items(), key=lambda x: float(x[0]))
         ],
         "first_token_mass": f"{first.get('mean', float('nan')):.4f}",
         "uniform_reference": f"{first.get('uniform_reference', float('nan')):.4f}",

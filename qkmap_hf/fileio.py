@@ -1,29 +1,62 @@
-"""Atomic file writes: a crash or Ctrl-C never leaves a half-written file that looks complete."""
+"""Atomic file writes: a crash or Ctrl-C never leaves a half-written file that looks complete.
+
+Every JSON, README, CSV, plot and copied file that qkmap_hf writes goes through these helpers
+(tests/test_fileio.py greps the package for raw writes). The one mechanism is ``atomic_path``: write to a
+temporary file beside the target, rename it into place only when the write succeeded.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and rename it into place (mode 0644)."""
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix) to write; renamed over ``path`` (mode 0644) when the block
+    succeeds, removed when it fails. For writers that want a file name (``savefig``, ``copyfile``)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600 files; these are meant to be shared and published
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; these are meant to be shared and published
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
     """``atomic_write_text`` of ``data`` as indented JSON with a final newline."""
     return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def atomic_write_csv(path: str | os.PathLike, fieldnames: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> Path:
+    """``atomic_write_text`` of ``rows`` as CSV with a header line."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(fieldnames))
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write_text(path, buffer.getvalue())
+
+
+def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Copy ``source`` to ``target`` byte for byte, atomically."""
+    with atomic_path(target) as tmp:
+        shutil.copyfile(source, tmp)
+    return Path(target)

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .fileio import atomic_path
+
 
 def new_figure(width: float = 7.0, height: float = 4.5, *, layout: str | None = None) -> Any:
     """A ``matplotlib.figure.Figure`` with its own Agg canvas (``layout``: e.g. ``"constrained"``)."""
@@ -25,14 +27,9 @@ def new_figure(width: float = 7.0, height: float = 4.5, *, layout: str | None = 
 
 def save_figure(figure: Any, path: str | os.PathLike, *, dpi: int = 110, tight: bool = True) -> Path:
     """Write ``figure`` to ``path`` (PNG) atomically; returns the path."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    try:
+    with atomic_path(path) as tmp:
         figure.savefig(tmp, dpi=dpi, bbox_inches="tight" if tight else None)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)
 
 
 def plot_mean_with_band(

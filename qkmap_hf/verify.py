@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .fileio import atomic_write_text
 from .phases import PhaseRecorder
 
 
@@ -75,7 +76,7 @@ class VerificationReport:
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
-        path.write_text(self.to_json(), encoding="utf-8")
+        atomic_write_text(path, self.to_json())
         return path
 
     def table(self) -> str:

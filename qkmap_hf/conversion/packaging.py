@@ -8,13 +8,13 @@ conversion (``api.convert_to_folder``) plus this step, run inside the same atomi
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..fileio import atomic_write_json
 from .api import ConversionResult, convert_to_folder
 from .errors import ConversionError
 from .options import DEFAULT_OMEGA0, ConversionOptions
@@ -88,7 +88,7 @@ def package_conversion(
         provenance["verification"] = report.summary()
         if progress:
             print(report.table())
-    (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
+    atomic_write_json(folder / PROVENANCE_NAME, provenance)
     write_model_card(folder, provenance=provenance, model_name=result.dst.name)
     return provenance
 

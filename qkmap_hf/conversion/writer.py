@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..fileio import atomic_copy, atomic_write_json
 from ..filenames import SAFETENSORS_INDEX_NAME, TOKENIZER_FILES
 from ..safety import check_overwrite_target, pickle_reason
 from .errors import ConversionError
@@ -209,7 +210,7 @@ def write_tensors(plan: ConversionPlan, source: TensorSource, out_dir: Path, pro
             weight_map.update({p.name: shard for p in planned})
     if plan.sharded:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        atomic_write_json(out_dir / SAFETENSORS_INDEX_NAME, index)
 
 
 def copy_remote_code(out_dir: Path) -> list[str]:
@@ -220,7 +221,7 @@ def copy_remote_code(out_dir: Path) -> list[str]:
 
     files = [modeling_qkmap.__file__, *get_relative_import_files(modeling_qkmap.__file__)]
     for file in files:
-        shutil.copyfile(file, out_dir / Path(file).name)
+        atomic_copy(file, out_dir / Path(file).name)
     return [Path(f).name for f in files]
 
 
@@ -231,8 +232,10 @@ def copy_side_files(src_dir: Path, out_dir: Path) -> list[str]:
         if (src_dir / name).is_file():
             reason = pickle_reason(src_dir / name)
             if reason is not None:
-                raise ConversionError(f"{src_dir / name} is {reason}, not a tokenizer file; remove it (never unpickled).")
-            shutil.copyfile(src_dir / name, out_dir / name)
+                raise ConversionError(
+                    f"{src_dir / name} is {reason}, not a tokenizer file; remove it (never unpickled)."
+                )
+            atomic_copy(src_dir / name, out_dir / name)
             copied.append(name)
     return copied
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..fileio import atomic_write_csv, atomic_write_json, atomic_write_text
 from ..flags import OverridesAction, collected_by, parse_overrides
 from ..modeling.configuration_qkmap import QK_MODES
 from .optim import QKMAP_LR_MULTIPLIER
@@ -157,12 +158,7 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
+    atomic_write_csv(path, CSV_FIELDS, rows)
 
 
 def rows_from_history(label: str, seed: int, history: list[dict]) -> list[dict]:
@@ -237,7 +233,7 @@ def run_comparison(options: CompareOptions) -> ComparisonResult:
         "logging_steps": logging_steps,
         "data_stats": datasets[2].to_dict(),
     }
-    (out / "compare.json").write_text(json.dumps(settings, indent=2, default=str) + "\n")
+    atomic_write_json(out / "compare.json", settings)
 
     csv_path = out / "losses.csv"
     rows = _read_rows(csv_path)
@@ -264,7 +260,7 @@ def run_comparison(options: CompareOptions) -> ComparisonResult:
             timing[f"{variant.label}/{seed}"] = time.time() - started
             rows += rows_from_history(variant.label, seed, result.log_history)
             _write_rows(csv_path, rows)
-            timing_path.write_text(json.dumps(timing, indent=2) + "\n")
+            atomic_write_json(timing_path, timing)
     return report(out, options.steps, labels)
 
 
@@ -378,10 +374,7 @@ def report(out: Path, final_step: int, labels: Sequence[str] | None = None) -> C
         _plot(rows, split, labels, out / name, f"{split} loss: mean and min/max over seeds")
         plots.append(out / name)
     summary = summarize(rows, final_step, labels, timing)
-    with (out / "summary.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(summary[0]) if summary else ["mode"])
-        writer.writeheader()
-        writer.writerows(summary)
+    atomic_write_csv(out / "summary.csv", list(summary[0]) if summary else ["mode"], summary)
     lines = [
         f"Final validation loss at step {final_step} (nats/token):",
         "",
@@ -393,7 +386,7 @@ def report(out: Path, final_step: int, labels: Sequence[str] | None = None) -> C
             f"| {s['mode']} | {s['seeds']} | {s['val_loss_mean']:.4f} | {s['val_loss_std']:.4f} | {s['val_loss_min']:.4f} "
             f"| {s['val_loss_max']:.4f} | {s['delta_vs_standard']:+.4f} | {s['wins_vs_standard']} | {s['seconds_per_run']:.0f} |"
         )
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out / "summary.md", "\n".join(lines) + "\n")
     return ComparisonResult(out / "losses.csv", plots, out / "summary.md", summary)
 
 

@@ -150,7 +150,9 @@ def iter_documents(paths: Sequence[str | Path], text_field: str = "text") -> Ite
 # --------------------------------------------------------------------------------------------------
 
 
-def tokenize_documents(documents: Iterator[str] | Sequence[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+def tokenize_documents(
+    documents: Iterator[str] | Sequence[str], tokenizer, max_tokens: int | None = None
+) -> torch.Tensor:
     """One flat int64 tensor of token ids: each document's tokens followed by EOS, cut at ``max_tokens``."""
     eos = tokenizer.eos_token_id
     chunks: list[torch.Tensor] = []
@@ -199,9 +201,7 @@ def split_blocks(
     if max_eval_blocks is not None:
         num_eval = min(num_eval, max_eval_blocks)
     if len(blocks) - num_eval < 1:
-        raise ValueError(
-            f"only {len(blocks)} blocks of data; add text, lower --block-size or lower --eval-fraction."
-        )
+        raise ValueError(f"only {len(blocks)} blocks of data; add text, lower --block-size or lower --eval-fraction.")
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
     eval_index, _ = order[:num_eval].sort()
     train_index, _ = order[num_eval:].sort()

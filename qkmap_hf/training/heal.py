@@ -22,11 +22,8 @@ so it is the same function) and ``qkmap_healing.json`` with source, recipe and t
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +32,7 @@ import torch
 from torch.nn import functional as F
 from transformers import TrainerCallback
 
-from ..fileio import atomic_write_json, atomic_write_text
+from ..fileio import atomic_copy, atomic_write_csv, atomic_write_json
 from ..flags import fraction_window, parsed_by
 from ..phases import PhaseRecorder, feature_map_layers
 from .optim import QKMapTrainer
@@ -326,12 +323,8 @@ def write_rows(folder: Path, rows: list[dict[str, Any]]) -> None:
     """``heal.json`` (``{"evaluations": rows}``) and ``heal.csv`` (lists joined by spaces), atomically."""
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(folder / HEAL_RECORD, {"evaluations": rows})
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: " ".join(f"{x:.6g}" for x in v) if isinstance(v, list) else v for k, v in row.items()})
-    atomic_write_text(folder / HEAL_TABLE, buffer.getvalue())
+    flat = [{k: " ".join(f"{x:.6g}" for x in v) if isinstance(v, list) else v for k, v in row.items()} for row in rows]
+    atomic_write_csv(folder / HEAL_TABLE, list(rows[0]), flat)
 
 
 def heal(
@@ -377,7 +370,7 @@ def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOption
         return
     converted = Path(options.model) / "qkmap_conversion.json"
     if converted.exists() and not (out / converted.name).exists():
-        shutil.copyfile(converted, out / converted.name)
+        atomic_copy(converted, out / converted.name)
     final = trainer.rows[-1] if trainer.rows else {}
     record = {
         "kind": "healing",

@@ -161,7 +161,11 @@ def preset_config(
     preset = get_preset(preset) if isinstance(preset, str) else preset
     if qk_mode not in QK_MODES:
         raise ValueError(f"qk_mode={qk_mode!r} is invalid; allowed values: {', '.join(QK_MODES)}.")
-    fields = {k: v for k, v in asdict(preset).items() if k not in ("name", "description", "block_size", "batch_size", "learning_rate")}
+    fields = {
+        k: v
+        for k, v in asdict(preset).items()
+        if k not in ("name", "description", "block_size", "batch_size", "learning_rate")
+    }
     fields["vocab_size"] = vocab_size or preset.vocab_size
     fields["max_position_embeddings"] = max_position_embeddings or preset.block_size
     fields["head_dim"] = preset.head_dim

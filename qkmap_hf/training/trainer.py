@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import default_data_collator
 
+from ..fileio import atomic_write_json
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
 from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
 from .optim import QKMapTrainer, classify_parameters
@@ -273,7 +274,7 @@ def _write_provenance(
         "wall_seconds": result.wall_seconds,
         "versions": _versions(),
     }
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    atomic_write_json(path, record)
 
 
 def train(
