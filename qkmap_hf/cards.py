@@ -5,10 +5,10 @@ and training records written next to the weights), how it scored (lm-eval result
 ``model-index``) and how its attention behaves (plots and numbers from ``qkmap analyze``). The Jinja template lives
 in ``qkmap_hf/model_cards/`` (the top-level ``model_cards/`` is a link to it) so that installed wheels carry it.
 
-Provenance records: ``qkmap_conversion.json`` and ``qkmap_training.json`` in the model folder are read when
-present. ``write_model_card(provenance=...)`` adds one more record: a dict whose ``"kind"`` (``"conversion"``,
-``"training"``, anything else) names its section; a ``"conversion"`` or ``"training"`` record passed this way
-replaces the file of that name in the card.
+Provenance records (``qkmap_hf.provenance``: ``qkmap_conversion.json``, ``qkmap_training.json``,
+``qkmap_healing.json`` in the model folder) are read when present. ``write_model_card(provenance=...)`` adds one
+more record: a ``ProvenanceRecord``, or a dict whose ``"kind"`` (``"conversion"``, ``"training"``, anything else)
+names its section; a record of a kind that has a file replaces that file's record in the card.
 """
 
 from __future__ import annotations
@@ -23,14 +23,10 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .fileio import atomic_copy, atomic_write_text
 from .phases import describe, regime_from_roles
+from .provenance import PROVENANCE_FILES, ProvenanceRecord, load_provenance
 from .version import __version__
 
 TEMPLATE_NAME = "qkmap_model_card.md"
-PROVENANCE_FILES = {
-    "conversion": "qkmap_conversion.json",
-    "training": "qkmap_training.json",
-    "healing": "qkmap_healing.json",
-}
 ANALYSIS_SUBDIR = "analysis"
 BASE_TAGS = ["qk-map", "qkmap", "custom_code", "text-generation"]
 DEFAULT_LICENSE = "apache-2.0"
@@ -187,19 +183,6 @@ def _format_value(value: Any) -> str:
     if isinstance(value, (list, tuple)) and len(value) <= 8 and all(not isinstance(v, (dict, list)) for v in value):
         return ", ".join(_format_value(v) for v in value)
     return str(value)
-
-
-def load_provenance(model_dir: Path, provenance: dict | None = None) -> dict[str, dict]:
-    """Provenance records by kind: the files in ``model_dir``, then ``provenance`` (which wins for its kind)."""
-    records: dict[str, dict] = {}
-    for kind, name in PROVENANCE_FILES.items():
-        if (model_dir / name).is_file():
-            records[kind] = _read_json(model_dir / name, f"the {kind} record")
-    if provenance is not None:
-        if not isinstance(provenance, dict):
-            raise TypeError(f"provenance must be a dict, got {type(provenance).__name__}.")
-        records[str(provenance.get("kind") or "provenance")] = provenance
-    return records
 
 
 def _provenance_items(record: dict, prefix: str = "") -> list[tuple[str, str]]:
@@ -369,7 +352,7 @@ def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
 def render_model_card(
     model_dir: str | Path,
     *,
-    provenance: dict | None = None,
+    provenance: ProvenanceRecord | dict | None = None,
     eval_results: str | Path | None = None,
     analysis_dir: str | Path | None = None,
     license: str | None = None,
@@ -382,7 +365,7 @@ def render_model_card(
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist; `model_dir` must be a saved checkpoint folder.")
     config = _read_json(config_path, "config.json")
-    records = load_provenance(model_dir, provenance)
+    records = {kind: record.to_dict() for kind, record in load_provenance(model_dir, provenance).items()}
     qk_mode = config.get("qk_mode", "standard") if config.get("model_type") == "qkmap" else "standard"
     name = model_name or model_dir.resolve().name
     base_model = _base_model(records)
@@ -442,7 +425,7 @@ def render_model_card(
 def write_model_card(
     model_dir: str | Path,
     *,
-    provenance: dict | None = None,
+    provenance: ProvenanceRecord | dict | None = None,
     eval_results: str | Path | None = None,
     analysis_dir: str | Path | None = None,
     license: str | None = None,

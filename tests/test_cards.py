@@ -130,7 +130,18 @@ def test_wheel_carries_templates_and_task_pack(tmp_path):
             shutil.copy(ROOT / name, source / name)
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+        ],
         check=True,
         capture_output=True,
         timeout=600,
@@ -149,5 +160,18 @@ def test_wheel_carries_templates_and_task_pack(tmp_path):
         "print(qkmap_hf.__file__); print(c.template_path()); print(t.data_file('haystack.txt'))"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    lines = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
+    lines = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert all(line.startswith(str(site)) for line in lines), lines
+
+
+def test_a_typed_record_gets_its_section_next_to_the_old_files(model_dir):
+    from qkmap_hf.provenance import HealingRecord
+
+    record = HealingRecord(command="qkmap heal", source="src-folder", tokens_seen=3072, final={"regime": "periodic"})
+    text = write_model_card(model_dir, provenance=record).read_text()
+    for section in ("qkmap_conversion.json", "qkmap_training.json", "qkmap_healing.json"):
+        assert section in text
+    assert "tokens_seen" in text and "3072" in text and "final.regime" in text
+    assert "exact_frequency" in text and "final_loss" in text  # the old hand-made records still render

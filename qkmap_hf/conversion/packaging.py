@@ -14,42 +14,37 @@ from typing import Any
 
 import torch
 
-from ..fileio import atomic_write_json
+from ..provenance import PROVENANCE_FILES, ConversionRecord
 from .api import ConversionResult, convert_to_folder
 from .errors import ConversionError
 from .options import DEFAULT_OMEGA0, ConversionOptions
 from .sources import DEFAULT_MAX_SHARD_BYTES, ResolvedSource, looks_like_repo_id, resolve_source
 
-PROVENANCE_NAME = "qkmap_conversion.json"
+PROVENANCE_NAME = PROVENANCE_FILES["conversion"]
 VERIFICATION_NAME = "verification.json"
 
 
-def conversion_provenance(result: ConversionResult, base_model: str | None = None) -> dict[str, Any]:
+def conversion_provenance(result: ConversionResult, base_model: str | None = None) -> ConversionRecord:
     """The record the card files under "Conversion": what was converted, how, and with which versions."""
     options, config, resolved = result.options, result.config, result.resolved
-    provenance: dict[str, Any] = {
-        "kind": "conversion",  # qkmap_hf.cards files this record under "Conversion"
-        "source": resolved.label,
-        "source_architecture": result.architecture,
-        "base_model": base_model or _guess_base_model(resolved, result.source_config),
-        "init": options.init,
-        "omega_0": options.omega0 if options.init == "exact" else None,
-        "num_frequencies": options.num_frequencies,
-        "gain_parametrization": config.qkmap_gain_parametrization,
-        "input_norm": bool(getattr(config, "qkmap_input_norm", False)),
-        "dtype": config.dtype,
-        "qkmap_hf_version": _qkmap_version(),
-        "transformers_version": _package_version("transformers"),
-        "torch_version": torch.__version__,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if options.init == "native":
-        provenance["frequency_range"] = [config.qkmap_min_frequency, config.qkmap_max_frequency]
-    if resolved.gguf_file is not None:
-        provenance["gguf_file"] = resolved.gguf_file
-    if str(resolved.directory) != resolved.label:
-        provenance["source_path"] = str(resolved.directory)
-    return provenance
+    return ConversionRecord(
+        source=resolved.label,
+        source_architecture=result.architecture,
+        base_model=base_model or _guess_base_model(resolved, result.source_config),
+        init=options.init,
+        omega_0=options.omega0 if options.init == "exact" else None,
+        num_frequencies=options.num_frequencies,
+        gain_parametrization=config.qkmap_gain_parametrization,
+        input_norm=bool(getattr(config, "qkmap_input_norm", False)),
+        dtype=config.dtype,
+        qkmap_hf_version=_qkmap_version(),
+        transformers_version=_package_version("transformers"),
+        torch_version=torch.__version__,
+        timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        frequency_range=[config.qkmap_min_frequency, config.qkmap_max_frequency] if options.init == "native" else None,
+        gguf_file=resolved.gguf_file,
+        source_path=str(resolved.directory) if str(resolved.directory) != resolved.label else None,
+    )
 
 
 def package_conversion(
@@ -61,7 +56,7 @@ def package_conversion(
     generate_tokens: int = 64,
     base_model: str | None = None,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> ConversionRecord:
     """Write provenance, the verification report (with ``verify_text``) and README.md into ``folder``."""
     from ..cards import write_model_card
 
@@ -85,10 +80,10 @@ def package_conversion(
             raise ConversionError(
                 f"verifying {result.dst} gave non-finite {bad}; the model is broken, nothing written."
             )
-        provenance["verification"] = report.summary()
+        provenance.verification = report.summary()
         if progress:
             print(report.table())
-    atomic_write_json(folder / PROVENANCE_NAME, provenance)
+    provenance.save(folder)
     write_model_card(folder, provenance=provenance, model_name=result.dst.name)
     return provenance
 

@@ -35,13 +35,14 @@ from transformers import TrainerCallback
 from ..fileio import atomic_copy, atomic_write_csv, atomic_write_json
 from ..flags import fraction_window, parsed_by
 from ..phases import PhaseRecorder, feature_map_layers
+from ..provenance import PROVENANCE_FILES, HealingRecord
 from .optim import QKMapTrainer
 from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
 from .trainer import TrainOptions, resume_checkpoint, train
 
 HEAL_RECORD = "heal.json"
 HEAL_TABLE = "heal.csv"
-HEAL_PROVENANCE = "qkmap_healing.json"
+HEAL_PROVENANCE = PROVENANCE_FILES["healing"]
 STATE_FILE = "heal_state.safetensors"
 
 
@@ -368,22 +369,20 @@ def heal(
 def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOptions, trainer: HealTrainer) -> None:
     if not trainer.is_world_process_zero() or not (out / "config.json").exists():
         return
-    converted = Path(options.model) / "qkmap_conversion.json"
+    converted = Path(options.model) / PROVENANCE_FILES["conversion"]
     if converted.exists() and not (out / converted.name).exists():
         atomic_copy(converted, out / converted.name)
     final = trainer.rows[-1] if trainer.rows else {}
-    record = {
-        "kind": "healing",
-        "command": "qkmap heal",
-        "converted_model": options.model,
-        "source": heal_options.teacher,
-        "recipe": asdict(heal_options),
-        "tokens_seen": trainer.tokens_seen,
-        "steps": trainer.state.global_step,
-        "final": {k: final.get(k) for k in ("step", "perplexity", "kl_to_teacher", "regime")},
-        "gain_parametrization": trainer.model.config.qkmap_gain_parametrization,
-    }
-    atomic_write_json(out / HEAL_PROVENANCE, record)
+    HealingRecord(
+        command="qkmap heal",
+        converted_model=options.model,
+        source=heal_options.teacher,
+        recipe=asdict(heal_options),
+        tokens_seen=trainer.tokens_seen,
+        steps=trainer.state.global_step,
+        final={k: final.get(k) for k in ("step", "perplexity", "kl_to_teacher", "regime")},
+        gain_parametrization=trainer.model.config.qkmap_gain_parametrization,
+    ).save(out)
     from ..cards import write_model_card
 
     write_model_card(out)

@@ -25,6 +25,7 @@ import torch
 from transformers import default_data_collator
 
 from ..fileio import atomic_write_json
+from ..provenance import PROVENANCE_FILES, TrainingRecord
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
 from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
 from .optim import QKMapTrainer, classify_parameters
@@ -33,7 +34,7 @@ from .presets import PRESETS, get_preset, preset_config
 
 logger = logging.getLogger(__name__)
 
-PROVENANCE_FILE = "qkmap_training.json"
+PROVENANCE_FILE = PROVENANCE_FILES["training"]
 ADAPTER_SUBDIR = "adapter"
 DEFAULT_CHECKPOINT_LR = 1e-4
 DEFAULT_CHECKPOINT_BATCH = 8
@@ -253,28 +254,28 @@ def _write_provenance(
     config = getattr(model, "config", None)
     grouped = classify_parameters(model, qk_norm_in_qk_group=options.qk_norm_in_qk_group)
     groups = {name: sum(p.numel() for _, p in members) for name, members in grouped.items()}
-    record = {
-        "command": "qkmap train",
-        "options": asdict(options),
-        "resolved": resolved,
-        "resumed_from": resumed_from,
-        "world_size": parallel["world_size"],
-        "parallel": parallel,
-        "model": {
+    record = TrainingRecord(
+        command="qkmap train",
+        options=asdict(options),
+        resolved=resolved,
+        resumed_from=resumed_from,
+        world_size=parallel["world_size"],
+        parallel=parallel,
+        model={
             "model_type": getattr(config, "model_type", None),
             "qk_mode": getattr(config, "qk_mode", None),
             "parameters": sum(p.numel() for p in model.parameters()),
             "trainable_parameters_by_group": groups,
             "activation_checkpointing": _activation_checkpointing(model),
         },
-        "data": data.to_dict(),
-        "train_metrics": result.train_metrics,
-        "eval_metrics": result.eval_metrics,
-        "log_history": result.log_history,
-        "wall_seconds": result.wall_seconds,
-        "versions": _versions(),
-    }
-    atomic_write_json(path, record)
+        data=data.to_dict(),
+        train_metrics=result.train_metrics,
+        eval_metrics=result.eval_metrics,
+        log_history=result.log_history,
+        wall_seconds=result.wall_seconds,
+        versions=_versions(),
+    )
+    atomic_write_json(path, record.to_dict())
 
 
 def train(
