@@ -46,7 +46,8 @@ def _command_module(name: str):
     return import_module(COMMANDS[name])
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The ``qkmap`` parser; ``progs`` renames a subcommand in its usage lines (a script that runs only it)."""
     parser = argparse.ArgumentParser(
         prog="qkmap",
         description="QK-MAP attention for Hugging Face transformers: convert, train, evaluate and publish models.",
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
             description=module.HELP,
             add_help=not hasattr(module, "run_raw"),
             option_classes=module.option_classes() if hasattr(module, "option_classes") else (),
+            **({"prog": progs[name]} if progs and name in progs else {}),
         )
         if hasattr(module, "add_arguments"):
             module.add_arguments(sub)
@@ -130,14 +132,21 @@ def _take_debug_flag(argv: list[str]) -> bool:
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(name: str, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``qkmap NAME ARGV`` as a program of its own (``conversion/convert_llama_to_qkmap.py``, ``python -m
+    qkmap_hf.train``), with ``main``'s error handling and exit codes; ``prog`` names it in messages."""
+    return main([name, *(sys.argv[1:] if argv is None else argv)], prog=prog)
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """Run ``qkmap ...``; refusals become one line on stderr and exit code 2 (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
     debug = _take_debug_flag(argv) or debug
     command = f"qkmap {argv[0]}" if argv and argv[0] in COMMANDS else "qkmap"
+    command = prog or command
     try:
-        return _dispatch(argv)
+        return _dispatch(argv, {argv[0]: prog} if prog and argv else None)
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
@@ -152,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
 
 
-def _dispatch(argv: list[str]) -> int:
+def _dispatch(argv: list[str], progs: dict[str, str] | None = None) -> int:
     if argv and argv[0] in COMMANDS and hasattr(module := _command_module(argv[0]), "run_raw"):
         return int(module.run_raw(argv[1:]) or 0)
-    parser = build_parser()
+    parser = build_parser(progs)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import sys
 
-from .cli import main as cli_main
+from .cli import run_command
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    return run_command("train", argv)
 
 
 if __name__ == "__main__":

@@ -24,3 +24,13 @@ def test_each_subcommand_has_help(name, capsys):
         build_parser().parse_args([name, "--help"])
     assert exit_info.value.code == 0
     assert "usage: qkmap " + name in capsys.readouterr().out
+
+
+def test_a_command_run_as_its_own_program_reports_through_cli_main(tmp_path, capsys):
+    from qkmap_hf.commands import convert
+
+    argv = [str(tmp_path / "src"), str(tmp_path / "dst"), "--verify", str(tmp_path / "none.txt")]
+    assert convert.main(argv, prog="convert_llama_to_qkmap.py") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"convert_llama_to_qkmap.py: error: --verify {tmp_path / 'none.txt'}: no such text file."
+    assert not (tmp_path / "dst").exists()

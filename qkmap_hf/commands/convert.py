@@ -43,40 +43,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..conversion import ConversionError, convert_checkpoint
+    from ..conversion import convert_checkpoint
 
     if args.verify is not None and not Path(args.verify).is_file():
-        print(f"qkmap convert: error: --verify {args.verify}: no such text file", file=sys.stderr)
-        return 2
-    try:
-        dst = convert_checkpoint(
-            args.src,
-            args.dst,
-            init=args.init,
-            num_frequencies=args.num_frequencies,
-            omega0=args.omega0,
-            dtype=args.dtype,
-            gguf_file=args.gguf_file,
-            verify_text=Path(args.verify) if args.verify else None,
-            max_tokens=args.max_tokens,
-            overwrite=args.overwrite,
-            base_model=args.base_model,
-            progress=not args.no_progress,
-        )
-    except ConversionError as error:
-        print(f"qkmap convert: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("qkmap convert: interrupted; nothing was written to DST.", file=sys.stderr)
-        return 130
+        raise FileNotFoundError(f"--verify {args.verify}: no such text file.")
+    dst = convert_checkpoint(
+        args.src,
+        args.dst,
+        init=args.init,
+        num_frequencies=args.num_frequencies,
+        omega0=args.omega0,
+        dtype=args.dtype,
+        gguf_file=args.gguf_file,
+        verify_text=Path(args.verify) if args.verify else None,
+        max_tokens=args.max_tokens,
+        overwrite=args.overwrite,
+        base_model=args.base_model,
+        progress=not args.no_progress,
+    )  # a refusal or Ctrl-C leaves DST untouched (written atomically); qkmap_hf.cli reports it
     print(f"Converted {args.src} -> {dst} (init={args.init})")
     return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=HELP)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``qkmap convert`` as a program of its own (the conversion script), with qkmap_hf.cli's error handling."""
+    from ..cli import run_command
+
+    return run_command("convert", argv, prog)
 
 
 if __name__ == "__main__":

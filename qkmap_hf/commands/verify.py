@@ -31,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     require_path("SRC", args.src, "checkpoint folder", hub_id_ok=True)
     require_path("DST", args.dst, "checkpoint folder")
     if not Path(args.text).is_file():
-        print(f"qkmap verify: error: --text {args.text}: no such file", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"--text {args.text}: no such file.")
     report = verify_conversion(
         args.src,
         args.dst,
@@ -53,9 +52,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qkmap verify", description=HELP)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``qkmap verify`` as a program of its own, with qkmap_hf.cli's error handling."""
+    from ..cli import run_command
+
+    return run_command("verify", argv)
 
 
 if __name__ == "__main__":
