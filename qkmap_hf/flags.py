@@ -118,11 +118,11 @@ def options_from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it is None or the help already says what the default is."""
+    """Shows a flag's default unless it is None, the flag takes no value, or the help already says it."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default is None or "default" in text:
+        if action.default is None or action.nargs == 0 or "default" in text:
             return text
         return super()._get_help_string(action)
 
@@ -132,4 +132,7 @@ def make_parser(dataclass_types: tuple[type, ...], **kwargs) -> argparse.Argumen
     from transformers import HfArgumentParser
 
     kwargs.setdefault("formatter_class", _DefaultsFormatter)
-    return HfArgumentParser(dataclass_types, **kwargs)
+    parser = HfArgumentParser(dataclass_types, **kwargs)
+    for action in parser._actions:  # usage and help show the dashed spelling first (--max-steps, not --max_steps)
+        action.option_strings.sort(key=lambda option: "_" in option)
+    return parser
