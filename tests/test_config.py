@@ -18,20 +18,41 @@ def test_every_llama_field_is_a_qkmap_field():
 
 def test_qkmap_fields_round_trip_through_json(tmp_path):
     config = QKMapConfig(
-        qk_mode="qk_map", qkmap_input_dim=8, qkmap_num_frequencies=2, qkmap_frequency_sharing="head",
-        qkmap_min_frequency=0.2, qkmap_max_frequency=5.0, qkmap_logit_scale=0.25,
-        qkmap_gain_parametrization="inverse_frequency", qkmap_init="exact", qkmap_exact_frequency=1e-2,
+        qk_mode="qk_map",
+        qkmap_input_dim=8,
+        qkmap_num_frequencies=2,
+        qkmap_frequency_sharing="head",
+        qkmap_min_frequency=0.2,
+        qkmap_max_frequency=5.0,
+        qkmap_logit_scale=0.25,
+        qkmap_gain_parametrization="inverse_frequency",
+        qkmap_init="exact",
+        qkmap_exact_frequency=1e-2,
         qkmap_learnable_frequencies=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         **tiny_config_kwargs(),
     )
     config.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, QKMapConfig)
-    for field in ("qkmap_input_dim", "qkmap_num_frequencies", "qkmap_frequency_sharing", "qkmap_min_frequency",
-                  "qkmap_max_frequency", "qkmap_logit_scale", "qkmap_gain_parametrization", "qkmap_init",
-                  "qkmap_exact_frequency", "qkmap_learnable_frequencies", "rope_parameters"):
+    for field in (
+        "qkmap_input_dim",
+        "qkmap_num_frequencies",
+        "qkmap_frequency_sharing",
+        "qkmap_min_frequency",
+        "qkmap_max_frequency",
+        "qkmap_logit_scale",
+        "qkmap_gain_parametrization",
+        "qkmap_init",
+        "qkmap_exact_frequency",
+        "qkmap_learnable_frequencies",
+        "rope_parameters",
+    ):
         assert getattr(loaded, field) == getattr(config, field), field
     assert loaded.query_key_dim == 2 * 2 * 8
     assert set(loaded.auto_map) >= {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
@@ -102,4 +123,3 @@ def test_readme_table_lists_every_qkmap_field_with_its_real_default():
     for name, default in defaults.items():
         rendered = f'"{default}"' if isinstance(default, str) else repr(default)
         assert rows[name] == rendered, name
-

@@ -35,7 +35,9 @@ def _run(command: list[str], cwd: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -53,10 +55,14 @@ def corpus(tmp_path_factory) -> Path:
 def test_two_process_ddp_matches_one_process_on_the_same_global_batch(corpus, tmp_path):
     common = ["--model", "tiny", "--data", str(corpus), "--max-steps", "6", "--logging-steps", "1", "--eval-steps", "3",
               "--max-eval-blocks", "16", "--save-steps", "0", "--disable-tqdm"]  # fmt: skip
-    _run([sys.executable, "-m", "qkmap_hf.train", *common, "--batch-size", "8", "--output-dir", str(tmp_path / "one")],
-         tmp_path)
-    _run([*_torchrun(2), "-m", "qkmap_hf", "train", *common, "--batch-size", "4", "--output-dir", str(tmp_path / "two")],
-         tmp_path)
+    _run(
+        [sys.executable, "-m", "qkmap_hf.train", *common, "--batch-size", "8", "--output-dir", str(tmp_path / "one")],
+        tmp_path,
+    )
+    _run(
+        [*_torchrun(2), "-m", "qkmap_hf", "train", *common, "--batch-size", "4", "--output-dir", str(tmp_path / "two")],
+        tmp_path,
+    )
     one = json.loads((tmp_path / "one" / PROVENANCE_FILE).read_text())
     two = json.loads((tmp_path / "two" / PROVENANCE_FILE).read_text())
     assert one["world_size"] == 1 and two["world_size"] == 2

@@ -45,9 +45,16 @@ def ids(batch: int = 2, length: int = 12, vocab: int = 256, seed: int = 1) -> to
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_standard_mode_reproduces_llama(attn):
-    kwargs = tiny_config_kwargs(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 64})
+    kwargs = tiny_config_kwargs(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    )
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
     llama.config._attn_implementation = attn
@@ -88,8 +95,9 @@ def test_qk_norm_mode_reproduces_qwen3():
 
 @pytest.mark.parametrize("num_frequencies,sharing", [(1, "channel"), (3, "channel"), (2, "head")])
 def test_feature_norm_is_fixed_over_six_decades(num_frequencies, sharing):
-    config = QKMapConfig(qk_mode="qk_map", qkmap_num_frequencies=num_frequencies, qkmap_frequency_sharing=sharing,
-                         **tiny_config_kwargs())
+    config = QKMapConfig(
+        qk_mode="qk_map", qkmap_num_frequencies=num_frequencies, qkmap_frequency_sharing=sharing, **tiny_config_kwargs()
+    )
     model = QKMapForCausalLM(config)
     feature_map = model.model.layers[0].self_attn.qk_map
     m = config.resolved_qkmap_input_dim
@@ -145,8 +153,9 @@ def test_cached_generation_matches_recompute(mode, cache_implementation):
     model = make_model(mode, attn="sdpa", qkmap_input_dim=None)
     prompt = ids(batch=1, length=6)
     with torch.no_grad():
-        cached = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0,
-                                cache_implementation=cache_implementation)
+        cached = model.generate(
+            prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation
+        )
         tokens = prompt
         for _ in range(24):  # recompute the whole sequence for each token, no cache anywhere
             next_token = model(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
@@ -183,7 +192,10 @@ def test_bfloat16_logits_close_to_float32(mode):
     # Stated tolerance: per-token KL(fp32 || bf16) below 1e-3 nats on a random tiny model.
     assert kl.max().item() < 1e-3
     if mode == "qk_map":
-        assert copy.deepcopy(model).to(torch.bfloat16).model.layers[0].self_attn.qk_map.log_frequency.dtype == torch.bfloat16
+        assert (
+            copy.deepcopy(model).to(torch.bfloat16).model.layers[0].self_attn.qk_map.log_frequency.dtype
+            == torch.bfloat16
+        )
 
 
 def test_phases_are_computed_in_float32():
@@ -196,7 +208,7 @@ def test_phases_are_computed_in_float32():
     low = qkmap_features(z, frequency, gain, cos, sin)
     assert low.dtype == torch.bfloat16
     assert (low.float() - reference).abs().max().item() < 1e-2  # bf16 output rounding only
-    bf16_phase = (z * frequency.to(torch.bfloat16).view(1, 2, 1, 1, 16).repeat_interleave(2, 1).view(1, 4, 1, 16))
+    bf16_phase = z * frequency.to(torch.bfloat16).view(1, 2, 1, 1, 16).repeat_interleave(2, 1).view(1, 4, 1, 16)
     naive = torch.cat([bf16_phase.cos(), bf16_phase.sin()], -1).float()
     assert (naive - reference).abs().max().item() > 0.1  # what the float32 phase math protects against
 
@@ -243,8 +255,15 @@ def test_single_token_decode_skips_value_padding_and_equals_eager(cache_implemen
     prompt = ids(batch=2, length=9)
     mask = torch.ones_like(prompt)
     mask[1, :3] = 0
-    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
-                    return_dict_in_generate=True, cache_implementation=cache_implementation)
+    settings = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        cache_implementation=cache_implementation,
+    )
     with torch.no_grad():
         expected, got = eager.generate(prompt, **settings), sdpa.generate(prompt, **settings)
     assert torch.equal(expected.sequences, got.sequences)
@@ -253,8 +272,9 @@ def test_single_token_decode_skips_value_padding_and_equals_eager(cache_implemen
 
 
 def test_flash_attention_refuses_widths_it_cannot_take():
-    model = make_model("qk_map", head_dim=128, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
-                       qkmap_num_frequencies=2)
+    model = make_model(
+        "qk_map", head_dim=128, hidden_size=256, num_attention_heads=2, num_key_value_heads=1, qkmap_num_frequencies=2
+    )
     attention: QKMapAttention = model.model.layers[0].self_attn
     values = torch.zeros(1, 1, 4, 128)
     with pytest.raises(ValueError, match="qkmap_input_dim"):
@@ -327,7 +347,9 @@ def test_device_map_keeps_decoder_layers_whole(tmp_path):
     assert set(model._no_split_modules) == {"QKMapDecoderLayer"}
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     device_map = infer_auto_device_map(
-        model, max_memory={"cpu": int(layer_bytes * 1.5), "disk": 10**9}, no_split_module_classes=model._no_split_modules
+        model,
+        max_memory={"cpu": int(layer_bytes * 1.5), "disk": 10**9},
+        no_split_module_classes=model._no_split_modules,
     )
     assert "disk" in device_map.values()  # the budget forced a split ...
     assert not any(key.count(".") > 2 and key.startswith("model.layers.") for key in device_map)  # ... between layers
@@ -355,8 +377,15 @@ def test_native_init_is_a_geometric_grid_with_unit_gains():
 def test_exact_init_reproduces_standard_attention(parametrization, num_frequencies):
     common = tiny_config_kwargs()
     standard = make_model("standard")
-    exact = QKMapForCausalLM(QKMapConfig(qk_mode="qk_map", qkmap_init="exact", qkmap_gain_parametrization=parametrization,
-                                         qkmap_num_frequencies=num_frequencies, **common)).eval()
+    exact = QKMapForCausalLM(
+        QKMapConfig(
+            qk_mode="qk_map",
+            qkmap_init="exact",
+            qkmap_gain_parametrization=parametrization,
+            qkmap_num_frequencies=num_frequencies,
+            **common,
+        )
+    ).eval()
     result = exact.load_state_dict(standard.state_dict(), strict=False)
     assert all("qk_map" in key for key in result.missing_keys) and not result.unexpected_keys
     x = ids(batch=2, length=24)
@@ -391,8 +420,9 @@ def test_feature_map_is_one_graph_for_torch_compile():
     explanation = torch._dynamo.explain(qkmap_features)(z, frequency, gain, cos, sin)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     compiled = torch.compile(qkmap_features, fullgraph=True)
-    assert torch.allclose(compiled(z, frequency, gain, cos, sin), qkmap_features(z, frequency, gain, cos, sin),
-                          atol=1e-5)
+    assert torch.allclose(
+        compiled(z, frequency, gain, cos, sin), qkmap_features(z, frequency, gain, cos, sin), atol=1e-5
+    )
 
 
 def test_flex_attention_equals_eager_with_wide_keys():
@@ -409,8 +439,9 @@ def test_flex_attention_equals_eager_with_wide_keys():
 
 @pytest.mark.parametrize("num_frequencies,sharing", [(1, "channel"), (2, "channel"), (3, "head")])
 def test_fused_feature_map_equals_the_written_out_formula(num_frequencies, sharing):
-    config = QKMapConfig(qk_mode="qk_map", qkmap_num_frequencies=num_frequencies, qkmap_frequency_sharing=sharing,
-                         **tiny_config_kwargs())
+    config = QKMapConfig(
+        qk_mode="qk_map", qkmap_num_frequencies=num_frequencies, qkmap_frequency_sharing=sharing, **tiny_config_kwargs()
+    )
     model = QKMapForCausalLM(config)
     feature_map = model.model.layers[0].self_attn.qk_map
     with torch.no_grad():
