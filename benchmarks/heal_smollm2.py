@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -171,6 +172,25 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
+VARIANT_KEYS = {"alpha": ("alpha", float), "kl": ("kl_weight", float), "klend": ("kl_weight_end", float),
+                "cos": ("cos_share", float), "comp": ("compensate_gains", lambda v: v == "1"),
+                "space": ("phase_ramp_space", str)}  # fmt: skip
+
+
+def heal_options_for(arm: str, args: argparse.Namespace, teacher: str) -> HealOptions:
+    """``heal`` with the command's settings, or a variant such as ``heal-alpha=0.6-kl=0`` (keys: VARIANT_KEYS)."""
+    values = {"alpha": args.alpha, "kl_weight": args.kl_weight, "switch_on_key_gain": args.switch_on_key_gain}
+    if args.cos_share is not None:
+        values["cos_share"] = args.cos_share
+    for part in arm.split("-")[1:]:
+        key, _, text = part.partition("=")
+        if key not in VARIANT_KEYS:
+            raise SystemExit(f"arm {arm!r}: unknown variant key {key!r}; known: {', '.join(VARIANT_KEYS)}")
+        name, parse = VARIANT_KEYS[key]
+        values[name] = parse(text)
+    return HealOptions(teacher=teacher, **values)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="runs/heal-smollm2")
@@ -182,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=1.2)
     parser.add_argument("--kl-weight", type=float, default=1.0)
     parser.add_argument("--switch-on-key-gain", type=float, default=0.3)
+    parser.add_argument("--cos-share", type=float, help="default: HealOptions' default")
     parser.add_argument("--eval-steps", type=int, default=25)
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--max-eval-blocks", type=int, default=24)
@@ -255,14 +276,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.behaviour and (arm_dir / f"checkpoint-{args.steps}").is_dir():
                 record["behaviour"] = attention_behaviour(str(arm_dir / f"checkpoint-{args.steps}"), tokenizer)
         else:
-            variant = dict(part.partition("=")[::2] for part in arm.split("-")[1:])  # heal-alpha=0.6-kl=0
-            alpha, kl_weight = float(variant.get("alpha", args.alpha)), float(variant.get("kl", args.kl_weight))
-            heal_options = HealOptions(
-                teacher=str(source), alpha=alpha, kl_weight=kl_weight, switch_on_key_gain=args.switch_on_key_gain
-            )
+            heal_options = heal_options_for(arm, args, str(source))
+            alpha, kl_weight = heal_options.alpha, heal_options.kl_weight
             result = heal(options, heal_options, datasets=datasets, tokenizer=tokenizer)
             rows = json.loads((arm_dir / "heal.json").read_text())["evaluations"]
-            record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha, "kl_weight": kl_weight,
+            record = {"recipe": asdict(heal_options), "evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha, "kl_weight": kl_weight,
                       "final_kl_to_teacher": rows[-1]["kl_to_teacher"], "regime": rows[-1]["regime"]}  # fmt: skip
             if args.behaviour:
                 record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)

@@ -34,7 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_fractions,
         default=d.phase_ramp,
         metavar="START:END",
-        help="window over which omega goes log-linearly to alpha / p90|z|",
+        help="window over which omega goes to alpha / p90|z|",
+    )
+    g.add_argument(
+        "--phase-ramp-space",
+        choices=("linear", "log"),
+        default=d.phase_ramp_space,
+        help="linear: phases grow linearly over the window; log: equal time per decade of phase",
+    )
+    g.add_argument(
+        "--compensate-gains",
+        action=argparse.BooleanOptionalAction,
+        default=d.compensate_gains,
+        help="scale each sine gain by its least-squares fit of z as the sine bends (keeps the logit scale)",
     )
     g.add_argument("--layerwise", action="store_true", help="ramp the layers one after another, first to last")
     g.add_argument("--block-spread", type=float, default=d.block_spread, help="phase ratio between frequency blocks")
@@ -59,7 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="START:END",
         help="converted QK-Norm models: window over which the norm power goes 1 -> 0 (folded away at the end)",
     )
-    g.add_argument("--switch-on-key-gain", type=float, default=d.switch_on_key_gain)
+    g.add_argument("--switch-on-key-gain", type=float, default=d.switch_on_key_gain,
+                   help="key gain of dead sine rows (extra frequency blocks) after switch-on")  # fmt: skip
+    g.add_argument("--cos-share", type=float, default=d.cos_share,
+                   help="cos rows switched on (both sides) to carry this share of the feature energy; 0: key side "
+                   "only, at --switch-on-key-gain")  # fmt: skip
     g.add_argument("--kl-weight", type=float, default=d.kl_weight, help="lambda in CE + lambda * KL(teacher||student)")
     g.add_argument("--kl-weight-end", type=float, help="lambda at the end of the run (linear; default: constant)")
     g.add_argument(

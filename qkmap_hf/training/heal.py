@@ -52,14 +52,17 @@ class HealOptions:
     """What ``qkmap heal`` adds to ``qkmap train``'s options (flags ``--alpha``, ``--phase-ramp``...)."""
 
     teacher: str
-    alpha: float = 1.2
+    alpha: float = 1.1
     phase_ramp: tuple[float, float] = (0.0, 0.5)
+    phase_ramp_space: str = "linear"
+    compensate_gains: bool = True
     layerwise: bool = False
     block_spread: float = 2.0
     recalibrate_every: int = 10
     calibration_blocks: int = 8
     switch_on_ramp: tuple[float, float] = (0.4, 0.6)
     switch_on_key_gain: float = 0.3
+    cos_share: float = 0.1
     kl_weight: float = 1.0
     kl_weight_end: float | None = None
     native_gains: bool = True
@@ -67,8 +70,10 @@ class HealOptions:
 
     def schedules(self) -> tuple[PhaseScaleSchedule, GainSwitchOnSchedule, ValueSchedule]:
         phase = PhaseScaleSchedule(self.alpha, Ramp(*self.phase_ramp), layerwise=self.layerwise,
-                                   block_spread=self.block_spread, recalibrate_every=self.recalibrate_every)  # fmt: skip
-        switch = GainSwitchOnSchedule(self.switch_on_key_gain, Ramp(*self.switch_on_ramp), layerwise=self.layerwise)
+                                   block_spread=self.block_spread, recalibrate_every=self.recalibrate_every,
+                                   space=self.phase_ramp_space, compensate_gains=self.compensate_gains)  # fmt: skip
+        switch = GainSwitchOnSchedule(self.switch_on_key_gain, Ramp(*self.switch_on_ramp), layerwise=self.layerwise,
+                                      cos_share=self.cos_share, phase=phase)  # fmt: skip
         end = self.kl_weight if self.kl_weight_end is None else self.kl_weight_end
         return phase, switch, ValueSchedule(self.kl_weight, end, Ramp(0.0, 1.0), name="kl_weight")
 
