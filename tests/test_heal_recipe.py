@@ -74,7 +74,8 @@ def test_compensation_is_exact_at_the_start_and_follows_the_fit_at_the_end(folde
         schedule.calibrate(model, blocks, step=0)
         before = _gains(model)
         schedule.apply(model, 0.0)
-        assert all(torch.equal(q, q2) and torch.equal(k, k2) for (q, k), (q2, k2) in zip(before, _gains(model)))
+        after = _gains(model)
+        assert all(torch.equal(q, q2) and torch.equal(k, k2) for (q, k), (q2, k2) in zip(before, after, strict=True))
         schedule.apply(model, 1.0)
         with torch.no_grad():
             kl = kl_per_token(source_logits, model(input_ids=blocks).logits).mean().item()
