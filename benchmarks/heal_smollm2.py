@@ -283,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         if record.get("done") and args.behaviour and "behaviour" not in record and final_checkpoint.is_dir():
             record["behaviour"] = attention_behaviour(str(final_checkpoint), tokenizer)
             atomic_write_json(summary_path, summary)
+        if record.get("done") and arm != "llama" and "tuning_milton_perplexity" not in record:
+            # the final model on the tuning split, which chooses between recipes
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(out / arm, dtype=torch.float32).eval()
+            record["tuning_milton_perplexity"] = split_perplexity(model, tuning_blocks(tokenizer, args.block_size, 24))
+            atomic_write_json(summary_path, summary)
         if record.get("done"):
             print(f"{arm}: done already, skipped", flush=True)
             continue
@@ -320,13 +327,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.behaviour:
                 record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)
         record |= {"done": True, "seconds": time.time() - started, "train_seconds": result.wall_seconds}
-        if arm != "llama":  # the final model on the tuning split, which chooses between recipes
+
+        summary["arms"][arm] = record
+        atomic_write_json(summary_path, summary)
+        if arm != "llama":
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(arm_dir, dtype=torch.float32).eval()
             record["tuning_milton_perplexity"] = split_perplexity(model, tuning_blocks(tokenizer, args.block_size, 24))
-        summary["arms"][arm] = record
-        atomic_write_json(summary_path, summary)
+            atomic_write_json(summary_path, summary)
         print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
         plot(out, summary)
     if args.forcing_alphas:
