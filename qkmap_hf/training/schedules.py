@@ -152,10 +152,14 @@ def least_squares_sine_scale(sketch: torch.Tensor, frequency: torch.Tensor) -> t
 
     ``sketch``: ``(levels, kv_heads, m)`` quantiles of ``|z|``; ``frequency``: ``(kv_heads, F, m or 1)``. Returns
     ``(kv_heads, F, m)``; 1 for vanishing phases, growing as the sine bends the largest ``|z|`` down.
+
+    At least 1: where the largest ``|z|`` wrap past pi the fit falls towards 0 (it would switch the channel off, and
+    the optimizer's next additive steps would be multiplied back up when the fit recovers); compensation only
+    counters the bending.
     """
     z = sketch.unsqueeze(2)  # (levels, kv, 1, m): sin is odd, so |z| gives the same moments as z
     s = torch.sin(frequency * z) / frequency
-    return ((z * s).mean(0) / (s * s).mean(0).clamp_min(1e-30)).clamp_min(1e-6)
+    return ((z * s).mean(0) / (s * s).mean(0).clamp_min(1e-30)).clamp_min(1.0)
 
 
 RAMP_SPACES = ("log", "linear")
