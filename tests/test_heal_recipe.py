@@ -59,6 +59,8 @@ def test_least_squares_sine_scale_matches_a_direct_fit_on_samples():
     from_sketch = least_squares_sine_scale(_sketch(z.abs()), frequency)[:, 0]
     torch.testing.assert_close(from_sketch, direct, rtol=0.02, atol=0.0)
     assert (direct > 1.05).all()  # the sine bends the large |z| down: the fit scales it back up
+    wrapped = torch.full((20_000, 1, 1), 3.9)  # every |z| past pi: the fit alone would switch the channel off
+    assert least_squares_sine_scale(_sketch(wrapped), torch.ones(1, 1, 1)).item() == 1.0
     tiny = least_squares_sine_scale(_sketch(z.abs()), torch.full((2, 1, 8), 1e-3))
     torch.testing.assert_close(tiny, torch.ones_like(tiny), rtol=1e-5, atol=0.0)
 

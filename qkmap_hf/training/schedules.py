@@ -152,10 +152,14 @@ def least_squares_sine_scale(sketch: torch.Tensor, frequency: torch.Tensor) -> t
 
     ``sketch``: ``(levels, kv_heads, m)`` quantiles of ``|z|``; ``frequency``: ``(kv_heads, F, m or 1)``. Returns
     ``(kv_heads, F, m)``; 1 for vanishing phases, growing as the sine bends the largest ``|z|`` down.
+
+    At least 1: where the largest ``|z|`` wrap past pi the fit falls towards 0 (it would switch the channel off, and
+    the optimizer's next additive steps would be multiplied back up when the fit recovers); compensation only
+    counters the bending.
     """
     z = sketch.unsqueeze(2)  # (levels, kv, 1, m): sin is odd, so |z| gives the same moments as z
     s = torch.sin(frequency * z) / frequency
-    return ((z * s).mean(0) / (s * s).mean(0).clamp_min(1e-30)).clamp_min(1e-6)
+    return ((z * s).mean(0) / (s * s).mean(0).clamp_min(1e-30)).clamp_min(1.0)
 
 
 RAMP_SPACES = ("log", "linear")
@@ -282,7 +286,8 @@ class GainSwitchOnSchedule:
 
     With ``cos_share > 0`` (and the phase schedule's calibration to read ``|z|`` from) the dead *cos* rows ramp on
     both sides instead: at the ramp's start the schedule computes, per layer, side and key head, the gain at which the
-    cos rows carry ``cos_share`` of that side's feature energy at the current phases and gains, and ramps to it.
+    cos rows carry ``cos_share`` of that side's feature energy at the current phases and gains, and ramps to it;
+    the target is measured again after every recalibration of the phase schedule while the window is open.
     """
 
     name = "gain_switch_on"
@@ -297,6 +302,7 @@ class GainSwitchOnSchedule:
         self.cos_share, self.phase = cos_share, phase
         self.dead_rows: list[torch.Tensor] = []
         self.cos_targets: list[torch.Tensor] = []  # (2 sides, kv_heads, F, m) stored cos gains at full switch-on
+        self.measured_at: list[int] = []  # the phase calibration each layer's target was measured on
 
     def prepare(self, model: nn.Module) -> None:
         """On a fresh run, find the dead rows ``(kv_heads, 2F)`` of every layer."""
@@ -336,9 +342,14 @@ class GainSwitchOnSchedule:
                 feature_map.key_gain[rows.to(feature_map.key_gain.device)] = self.key_gain * strength
                 continue
             if len(self.cos_targets) < len(layers):
-                self.cos_targets = [torch.empty(0) for _ in layers]  # measured per layer as its window opens
-            if strength > 0 and not self.cos_targets[index].numel():
+                self.cos_targets = [torch.empty(0) for _ in layers]  # measured per layer while its window is open
+                self.measured_at = [-1] * len(layers)
+            if strength > 0 and (
+                not self.cos_targets[index].numel() or self.phase.calibrated_at > self.measured_at[index]
+            ):
+                # again after every recalibration: the phases (and the compensated sine gains) still move
                 self.cos_targets[index] = self._cos_target(index, feature_map)
+                self.measured_at[index] = self.phase.calibrated_at
             cos_rows = rows.clone()
             cos_rows[:, 1::2] = False
             sine_rows = rows & ~cos_rows
@@ -350,11 +361,13 @@ class GainSwitchOnSchedule:
                 rows_of_side[mask] = value.expand_as(rows_of_side).to(gain.device, gain.dtype)[mask]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dead_rows": self.dead_rows, "cos_targets": self.cos_targets}
+        return {"dead_rows": self.dead_rows, "cos_targets": self.cos_targets,
+                "measured_at": [torch.tensor(step) for step in self.measured_at]}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dead_rows = list(state["dead_rows"])
         self.cos_targets = list(state.get("cos_targets") or [])
+        self.measured_at = [int(step) for step in state.get("measured_at") or []]
 
 
 class NormAnnealSchedule:
