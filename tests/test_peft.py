@@ -18,11 +18,14 @@ from tests.utils import run_clean_python
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _tiny(mode: str = "qk_map"):
+def _tiny(mode: str = "qk_map", **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(preset_config("tiny", mode))
+    config = preset_config("tiny", mode)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def _text_batch() -> torch.Tensor:
@@ -51,6 +54,14 @@ def test_qk_modules_to_save_follow_the_mode():
     assert peft_support.qk_modules_to_save(_tiny("qk_map")) == ["qk_map"]
     assert peft_support.qk_modules_to_save(_tiny("qk_norm")) == ["q_norm", "k_norm"]
     assert peft_support.qk_modules_to_save(_tiny("standard")) == []
+    # Parameters that only some configurations have: the constant-prior controls, a converted QK-Norm's input norm.
+    assert peft_support.qk_modules_to_save(_tiny("standard", qk_position_prior="constant")) == ["position_prior"]
+    assert peft_support.qk_modules_to_save(_tiny("qk_norm", qk_position_prior="constant")) == [
+        "q_norm",
+        "k_norm",
+        "position_prior",
+    ]
+    assert peft_support.qk_modules_to_save(_tiny("qk_map", qkmap_input_norm=True)) == ["qk_map", "q_norm", "k_norm"]
 
 
 @pytest.mark.slow
@@ -152,7 +163,9 @@ def test_train_with_lora_writes_adapter_and_merged_checkpoint(tmp_path):
 
     batch = _text_batch()
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / ADAPTER_SUBDIR).eval()
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), out / ADAPTER_SUBDIR
+    ).eval()
     base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
     with torch.no_grad():
         merged_logits = merged(input_ids=batch).logits

@@ -21,7 +21,14 @@ from torch import nn
 MODEL_TYPE = "qkmap"
 SOURCE_MODEL_TYPE = "llama"
 # Modules that hold each mode's query/key-specific parameters (QK-Norm's weights, QK-MAP's frequencies and gains).
-QK_MODULES = {"qk_map": ("qk_map",), "qk_norm": ("q_norm", "k_norm"), "standard": ()}
+# Per mode, the attention submodules that hold query/key parameters; ``position_prior`` (the constant cos-block
+# control of docs/paper-claims.md) and a converted QK-Norm model's input norms (``q_norm``/``k_norm`` under qk_map)
+# exist only in some configurations and are listed where present.
+QK_MODULES = {
+    "qk_map": ("qk_map", "q_norm", "k_norm"),
+    "qk_norm": ("q_norm", "k_norm", "position_prior"),
+    "standard": ("position_prior",),
+}
 
 
 def register_peft_defaults() -> list[str]:
