@@ -134,3 +134,16 @@ def test_llama_source_model(analysis):
     assert set(result["evidence_contrast"]["by_length"]) == {"64"}
     with pytest.raises(ValueError, match="fewer than one window"):
         analyze_model(model, tokenizer, "too short", settings, progress=False)
+
+
+def test_summary_line_reports_every_measure_from_the_json(analysis):
+    from qkmap_hf.commands.analyze import summary_line
+
+    entry = analysis["by_mode"]["qk_map"]
+    line = summary_line(entry)
+    assert f"first-token mass {entry['first_token_mass']['mean']:.4f}" in line
+    assert f"attention distance {entry['attention_distance']['mean']:.1f} tok" in line
+    assert f"position-only logit share {entry['position_only_share']['mean']:.3f}" in line
+    assert f"gain {entry['key_scale_sensitivity']['mean_gain']:+.4f}" in line
+    assert "answer log2 lift" in line and line.endswith(f"phase regime: {entry['phase']['regime']}")
+    assert "phase regime" not in summary_line(analysis["by_mode"]["standard"])

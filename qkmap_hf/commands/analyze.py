@@ -74,15 +74,32 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     for entry in data["models"]:
-        scale = ", ".join(f"x{s}: {v:.3g}" for s, v in entry["scale_sensitivity"]["mean"].items())
-        contrast = ", ".join(
-            f"{v['tokens_mean']} tok: {v['mean_log2_lift']:+.3f}"
-            for v in entry["evidence_contrast"]["by_length"].values()
-        )
-        phase = f"; phase regime: {entry['phase']['regime']}" if entry.get("phase") else ""
-        print(
-            f"{entry['label']} ({entry.get('qk_mode') or entry.get('model_type')}): scale sensitivity {scale}; "
-            f"first-token mass {entry['first_token_mass']['mean']:.4f}; evidence log2 lift {contrast}{phase}"
-        )
+        print(summary_line(entry))
     print(f"wrote {args.output_dir}/analysis.json and plots")
     return 0
+
+
+def summary_line(entry: dict) -> str:
+    """One line per model: every measure's headline number, as analysis.json holds it."""
+    parts = [f"{entry['label']} ({entry.get('qk_mode') or entry.get('model_type')}):"]
+    scale = ", ".join(f"x{s}: {v:.3g}" for s, v in entry["scale_sensitivity"]["mean"].items())
+    parts.append(f"scale sensitivity {scale};")
+    parts.append(f"first-token mass {entry['first_token_mass']['mean']:.4f};")
+    if entry.get("attention_distance"):
+        parts.append(f"attention distance {entry['attention_distance']['mean']:.1f} tok;")
+    if entry.get("position_only_share"):
+        parts.append(f"position-only logit share {entry['position_only_share']['mean']:.3f};")
+    if entry.get("key_scale_sensitivity"):
+        key = entry["key_scale_sensitivity"]
+        parts.append(f"key x{key['factor']:g} gain {key['mean_gain']:+.4f};")
+    contrast = ", ".join(
+        f"{v['tokens_mean']} tok: {v['mean_log2_lift']:+.3f}" for v in entry["evidence_contrast"]["by_length"].values()
+    )
+    parts.append(f"evidence log2 lift {contrast};")
+    answer = (entry.get("answer_contrast") or {}).get("by_length") or {}
+    if answer:
+        lifts = ", ".join(f"{v['tokens_mean']} tok: {v['mean_log2_lift']:+.3f}" for v in answer.values())
+        parts.append(f"answer log2 lift {lifts};")
+    if entry.get("phase"):
+        parts.append(f"phase regime: {entry['phase']['regime']}")
+    return " ".join(parts).rstrip(";")
