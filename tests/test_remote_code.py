@@ -16,7 +16,13 @@ import qkmap_hf
 from qkmap_hf import QKMapConfig
 from tests.utils import run_clean_python, tiny_config_kwargs
 
-REMOTE_CODE_FILES = ("configuration_qkmap.py", "modeling_qkmap.py", "feature_map_qkmap.py", "position_prior.py")
+REMOTE_CODE_FILES = (
+    "configuration_qkmap.py",
+    "modeling_qkmap.py",
+    "attention_qkmap.py",
+    "feature_map_qkmap.py",
+    "position_prior.py",
+)
 INPUT_IDS = [[5, 17, 42, 99, 7, 3, 250, 11], [9, 8, 7, 6, 5, 4, 3, 2]]
 
 LOAD_AND_RUN = """
