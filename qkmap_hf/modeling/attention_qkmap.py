@@ -19,7 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration_qkmap import QKMapConfig
-from .feature_map_qkmap import qkmap_features
+from .feature_map_qkmap import qkmap_query_key_features
 from .position_prior import QKPositionPrior
 
 # Kernels that want queries, keys and values of one width. Values are zero-padded to the key width and
@@ -87,10 +87,11 @@ class QKMapFeatureMap(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         frequency = self.frequency()
         rotate = self.config.qkmap_rotate_cos_blocks
-        return (
-            qkmap_features(query, frequency, self.effective_gain(self.query_gain, frequency), cos, sin, rotate),
-            qkmap_features(key, frequency, self.effective_gain(self.key_gain, frequency), cos, sin, rotate),
+        query_gain, key_gain = (
+            self.effective_gain(self.query_gain, frequency),
+            self.effective_gain(self.key_gain, frequency),
         )
+        return qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate)
 
     @torch.no_grad()
     def initial_values(self) -> dict[str, torch.Tensor]:
