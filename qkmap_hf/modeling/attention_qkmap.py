@@ -73,11 +73,12 @@ class QKMapFeatureMap(nn.Module):
 
     def frequency(self) -> torch.Tensor:
         """``omega`` in float32, ``(kv_heads, F, m or 1)``."""
-        return self.log_frequency.float().exp()
+        log_frequency = self.log_frequency  # float32 already under _keep_in_fp32_modules: no call per token
+        return (log_frequency if log_frequency.dtype == torch.float32 else log_frequency.float()).exp()
 
     def effective_gain(self, gain: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
         """Gain applied to the features; ``stored / omega`` under the inverse-frequency parametrization."""
-        gain = gain.float()
+        gain = gain if gain.dtype == torch.float32 else gain.float()
         if self.inverse_frequency_gains:
             gain = gain / frequency.repeat_interleave(2, dim=1)
         return gain
