@@ -25,7 +25,7 @@ from attention_overhead import MODEL_SIZE, VARIANTS, build  # noqa: E402
 GROUPS = {
     "attention kernel": ("scaled_dot_product", "aten::bmm", "aten::_softmax"),
     "matmuls (projections, MLP, head)": ("aten::mm", "aten::addmm"),
-    "feature map node (fwd+bwd; inline in the rest without gradients)": ("QKMapFeatureFunction", "QKMapQueryKeyFunction"),
+    "feature map node (fwd+bwd; inline in the rest without gradients)": ("QKMapFeatureFunction",),
     "value padding": ("aten::constant_pad_nd",),
 }
 REST = "the rest (RoPE, norms, other elementwise ops, loss, dispatch)"
