@@ -163,6 +163,26 @@ def test_query_key_node_saves_the_shared_tensors_once():
     assert len(saved) == len(inputs)
 
 
+@pytest.mark.parametrize("rotate_cos_blocks", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,num_freq,freq_width", CASES)
+def test_one_token_without_gradients_maps_queries_and_keys_in_one_call_bit_for_bit(
+    heads, kv_heads, num_freq, freq_width, rotate_cos_blocks
+):
+    """Decoding stacks queries and keys into one call: the same bits as mapping each with qkmap_features."""
+    _, _, frequency, query_gain, key_gain, cos, sin = (
+        t.detach() for t in query_key_inputs(heads, kv_heads, num_freq, freq_width, m=6)
+    )
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(2, 1, heads, 6, generator=generator, dtype=torch.float64).transpose(1, 2)
+    key = torch.randn(2, 1, kv_heads, 6, generator=generator, dtype=torch.float64).transpose(1, 2)
+    tables = cos[:, -1:], sin[:, -1:]  # the last position
+    with torch.no_grad():
+        got = qkmap_query_key_features(query, key, frequency, query_gain, key_gain, *tables, rotate_cos_blocks)
+    assert torch.equal(got[0], qkmap_features(query, frequency, query_gain, *tables, rotate_cos_blocks))
+    assert torch.equal(got[1], qkmap_features(key, frequency, key_gain, *tables, rotate_cos_blocks))
+    assert (got[0] - written_out_features(query, frequency, query_gain, *tables, rotate_cos_blocks)).abs().max() < 1e-12
+
+
 def test_no_graph_and_the_same_values_without_gradients():
     inputs = random_inputs(4, 2, 2, 6)
     with_graph = qkmap_features(*inputs)

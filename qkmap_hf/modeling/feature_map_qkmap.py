@@ -245,4 +245,25 @@ def qkmap_query_key_features(
     inputs = (query, key, frequency, query_gain, key_gain, cos, sin)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
         return QKMapQueryKeyFunction.apply(*inputs, rotate_cos_blocks)
+    if query.shape[-2] == 1:
+        return _stacked_features(*inputs, rotate_cos_blocks)
     return QKMapQueryKeyFunction.forward(*inputs, rotate_cos_blocks)
+
+
+def _stacked_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool):
+    """Decoding (one token, no gradients): queries and keys as the heads of one ``_features`` call.
+
+    At one token the map is ~20 small ops whose cost is the per-op dispatch, not arithmetic: one call for both
+    halves it (measured ~0.6x the time of two calls). Every head gets its own frequency and gain rows (query
+    heads repeat their key head's), so each query and key is mapped exactly as by two separate calls.
+    """
+    heads, groups = query.shape[1], query.shape[1] // key.shape[1]
+    query_frequency = frequency
+    if groups > 1:
+        query_frequency = frequency.repeat_interleave(groups, dim=0)
+        query_gain = query_gain.repeat_interleave(groups, dim=0)
+    z = torch.cat((query, key), dim=1)
+    features = _features(
+        z, torch.cat((query_frequency, frequency)), torch.cat((query_gain, key_gain)), cos, sin, rotate_cos_blocks
+    )
+    return features[:, :heads], features[:, heads:]
