@@ -130,7 +130,11 @@ def test_query_key_node_passes_gradcheck_and_equals_two_single_nodes(
     """The one-node map of queries and keys: float64 gradcheck, and the gradients of two separate nodes."""
     inputs = query_key_inputs(heads, kv_heads, num_freq, 4 if freq_width > 1 else 1, tables_need_grad=heads == 4)
     assert torch.autograd.gradcheck(
-        lambda *tensors: QKMapQueryKeyFunction.apply(*tensors, rotate_cos_blocks), inputs, eps=1e-6, atol=1e-8
+        lambda *tensors: QKMapQueryKeyFunction.apply(*tensors, rotate_cos_blocks),
+        inputs,
+        eps=1e-6,
+        atol=1e-8,
+        fast_mode=True,
     )
     query, key, frequency, query_gain, key_gain, cos, sin = inputs
     pair = qkmap_query_key_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
