@@ -137,7 +137,7 @@ def test_output_folder(converted, kind):
     ):
         assert config[field] == getattr(source_config, field), field
     assert config["attention_bias"] is (kind == "qwen2")
-    for name in ("configuration_qkmap.py", "modeling_qkmap.py", "feature_map_qkmap.py"):
+    for name in ("configuration_qkmap.py", "modeling_qkmap.py", "attention_qkmap.py", "feature_map_qkmap.py"):
         assert (dst / name).read_bytes() == (Path(qkmap_hf.__file__).parent / "modeling" / name).read_bytes()
     for name in (*FAKE_TOKENIZER_FILES, "generation_config.json"):
         assert (dst / name).read_bytes() == (src / name).read_bytes(), name

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM, qkmap_features
-from qkmap_hf.modeling.feature_map_qkmap import QKMapFeatureFunction
+from qkmap_hf.modeling.feature_map_qkmap import QKMapFeatureFunction, QKMapQueryKeyFunction, qkmap_query_key_features
 from tests.utils import tiny_config_kwargs, written_out_features
 
 
@@ -111,6 +111,80 @@ def test_backward_keeps_only_z_and_the_small_tensors():
     inputs_bytes = sum(t.numel() * t.element_size() for t in (z, frequency, gain, cos, sin))
     assert nbytes == inputs_bytes
     assert any(t.data_ptr() == z.data_ptr() for t in saved)  # z itself, not a copy
+
+
+def query_key_inputs(heads, kv_heads, num_freq, freq_width, m=4, tables_need_grad=False):
+    """Queries and keys of one layer: ``random_inputs`` for each, sharing omega and the tables."""
+    query, frequency, query_gain, cos, sin = random_inputs(heads, kv_heads, num_freq, freq_width, m=m, seq=3, batch=1,
+                                                           tables_need_grad=tables_need_grad)  # fmt: skip
+    key, _, key_gain, _, _ = random_inputs(kv_heads, kv_heads, num_freq + 1, freq_width, m=m, seq=3, batch=1)
+    key_gain = key_gain[:, : 2 * num_freq].detach().requires_grad_()
+    return query, key, frequency, query_gain, key_gain, cos, sin
+
+
+@pytest.mark.parametrize("rotate_cos_blocks", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,num_freq,freq_width", CASES)
+def test_query_key_node_passes_gradcheck_and_equals_two_single_nodes(
+    heads, kv_heads, num_freq, freq_width, rotate_cos_blocks
+):
+    """The one-node map of queries and keys: float64 gradcheck, and the gradients of two separate nodes."""
+    inputs = query_key_inputs(heads, kv_heads, num_freq, 4 if freq_width > 1 else 1, tables_need_grad=heads == 4)
+    assert torch.autograd.gradcheck(
+        lambda *tensors: QKMapQueryKeyFunction.apply(*tensors, rotate_cos_blocks),
+        inputs,
+        eps=1e-6,
+        atol=1e-8,
+        fast_mode=True,
+    )
+    query, key, frequency, query_gain, key_gain, cos, sin = inputs
+    pair = qkmap_query_key_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
+    assert pair[0].grad_fn.name() == "QKMapQueryKeyFunctionBackward"
+    single = (
+        written_out_features(query, frequency, query_gain, cos, sin, rotate_cos_blocks=rotate_cos_blocks),
+        written_out_features(key, frequency, key_gain, cos, sin, rotate_cos_blocks=rotate_cos_blocks),
+    )
+    weights = [torch.randn(f.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+               for i, f in enumerate(single)]  # fmt: skip
+    wanted = [t for t in inputs if t.requires_grad]
+    got = torch.autograd.grad(sum((f * w).sum() for f, w in zip(pair, weights, strict=True)), wanted)
+    want = torch.autograd.grad(sum((f * w).sum() for f, w in zip(single, weights, strict=True)), wanted)
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() < 1e-10 * (1 + b.abs().max().item())
+
+
+def test_query_key_node_saves_the_shared_tensors_once():
+    """One node for queries and keys: z of each, gains of each, omega and the RoPE tables once."""
+    query, frequency, query_gain, cos, sin = random_inputs(8, 4, 1, 64, m=64, seq=128, batch=1)
+    key, _, key_gain, _, _ = random_inputs(4, 4, 1, 64, m=64, seq=128, batch=1)
+    query, key, frequency, query_gain, key_gain = (
+        t.detach().float().requires_grad_() for t in (query, key, frequency, query_gain, key_gain)
+    )
+    inputs = (query, key, frequency, query_gain, key_gain, cos.float(), sin.float())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        qkmap_query_key_features(*inputs)
+    assert sum(t.numel() * t.element_size() for t in saved) == sum(t.numel() * t.element_size() for t in inputs)
+    assert len(saved) == len(inputs)
+
+
+@pytest.mark.parametrize("rotate_cos_blocks", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,num_freq,freq_width", CASES)
+def test_one_token_without_gradients_maps_queries_and_keys_in_one_call_bit_for_bit(
+    heads, kv_heads, num_freq, freq_width, rotate_cos_blocks
+):
+    """Decoding stacks queries and keys into one call: the same bits as mapping each with qkmap_features."""
+    _, _, frequency, query_gain, key_gain, cos, sin = (
+        t.detach() for t in query_key_inputs(heads, kv_heads, num_freq, freq_width, m=6)
+    )
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(2, 1, heads, 6, generator=generator, dtype=torch.float64).transpose(1, 2)
+    key = torch.randn(2, 1, kv_heads, 6, generator=generator, dtype=torch.float64).transpose(1, 2)
+    tables = cos[:, -1:], sin[:, -1:]  # the last position
+    with torch.no_grad():
+        got = qkmap_query_key_features(query, key, frequency, query_gain, key_gain, *tables, rotate_cos_blocks)
+    assert torch.equal(got[0], qkmap_features(query, frequency, query_gain, *tables, rotate_cos_blocks))
+    assert torch.equal(got[1], qkmap_features(key, frequency, key_gain, *tables, rotate_cos_blocks))
+    assert (got[0] - written_out_features(query, frequency, query_gain, *tables, rotate_cos_blocks)).abs().max() < 1e-12
 
 
 def test_no_graph_and_the_same_values_without_gradients():

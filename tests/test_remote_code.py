@@ -16,7 +16,13 @@ import qkmap_hf
 from qkmap_hf import QKMapConfig
 from tests.utils import run_clean_python, tiny_config_kwargs
 
-REMOTE_CODE_FILES = ("configuration_qkmap.py", "modeling_qkmap.py", "feature_map_qkmap.py", "position_prior.py")
+REMOTE_CODE_FILES = (
+    "configuration_qkmap.py",
+    "modeling_qkmap.py",
+    "attention_qkmap.py",
+    "feature_map_qkmap.py",
+    "position_prior.py",
+)
 INPUT_IDS = [[5, 17, 42, 99, 7, 3, 250, 11], [9, 8, 7, 6, 5, 4, 3, 2]]
 
 LOAD_AND_RUN = """
@@ -91,8 +97,11 @@ def test_remote_code_imports_only_torch_transformers_and_siblings():
 @pytest.mark.slow
 def test_loads_in_a_clean_process_without_qkmap_hf(saved, tmp_path):
     folder, expected = saved
-    result = run_clean_python(LOAD_AND_RUN.format(source=str(folder), ids=INPUT_IDS), cwd=tmp_path,
-                              env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
+    result = run_clean_python(
+        LOAD_AND_RUN.format(source=str(folder), ids=INPUT_IDS),
+        cwd=tmp_path,
+        env={"HF_MODULES_CACHE": str(tmp_path / "modules")},
+    )
     assert result["class"] == "QKMapForCausalLM" and result["config_class"] == "QKMapConfig"
     assert result["module"].startswith("transformers_modules")  # the copied file, not the package
     logits = torch.tensor(result["logits"]).view_as(expected["logits"])
@@ -110,8 +119,12 @@ def test_loads_from_a_repo_id_in_an_offline_hub_cache(saved, tmp_path):
     shutil.copytree(folder, snapshot)
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(revision)
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home"),
-           "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(cache),
+        "HF_HOME": str(tmp_path / "home"),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+    }
     result = run_clean_python(LOAD_AND_RUN.format(source="qkmap-test/tiny", ids=INPUT_IDS), cwd=tmp_path, env=env)
     logits = torch.tensor(result["logits"]).view_as(expected["logits"])
     assert torch.equal(logits, expected["logits"])
@@ -126,7 +139,7 @@ def test_resaving_a_remote_code_model_keeps_it_loadable(saved, tmp_path):
     import json, torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
-    model.save_pretrained({str(tmp_path / 'resaved')!r})
+    model.save_pretrained({str(tmp_path / "resaved")!r})
     again = AutoModelForCausalLM.from_pretrained({str(tmp_path / "resaved")!r}, trust_remote_code=True, attn_implementation="eager").eval()
     with torch.no_grad():
         print(json.dumps({{"logits": again(torch.tensor({INPUT_IDS!r})).logits.flatten().tolist()}}))

@@ -94,15 +94,66 @@ class _Layout:
         return tensor.reshape(self.batch, self.seq, self.heads, self.m).transpose(1, 2)
 
 
+def _features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -> torch.Tensor:
+    """The forward pass of ``phi`` (no autograd node): see ``qkmap_features``."""
+    layout = _Layout(z, frequency, cos)
+    features = layout.trig(z, frequency).mul_(layout.gain(gain))
+    features = _rotate_blocks_(features, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
+    return layout.output(features, z.dtype)
+
+
+def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, needs) -> tuple:
+    """Gradients of ``phi`` for ``(z, frequency, gain, cos, sin)``, recomputing cos/sin of the phases from ``z``.
+
+    ``needs`` says which of the five are wanted (``ctx.needs_input_grad`` order); the others come back as None.
+    """
+    need_z, need_frequency, need_gain, need_cos, need_sin = needs
+    layout = _Layout(z, frequency, cos)
+    table_cos, table_sin = layout.table(cos), layout.table(sin)
+    grad = layout.blocks(grad_output)
+    trig = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
+    grad_cos = grad_sin = None
+    if need_cos or need_sin:  # out = u cos + rotate_half(u) sin on the rotated blocks, u = gain * trig
+        rotated = slice(None) if rotate_cos_blocks else slice(1, None)
+        features = (trig * layout.gain(gain))[..., rotated, :]
+        grad_rotated = grad[..., rotated, :]
+        if need_cos:
+            grad_cos = (grad_rotated * features).sum_to_size(table_cos.shape).view(cos.shape).to(cos.dtype)
+        if need_sin:
+            first, second = features.chunk(2, dim=-1)
+            half_turn = torch.cat((-second, first), dim=-1)  # rotate_half
+            grad_sin = (grad_rotated * half_turn).sum_to_size(table_sin.shape).view(sin.shape).to(sin.dtype)
+    # Through the rotation (orthogonal and linear): d features = R^T grad.
+    grad = _rotate_blocks_(grad, table_cos, table_sin, rotate_cos_blocks, adjoint=True)
+    grad_z = grad_frequency = grad_gain = None
+    if need_z or need_frequency:
+        # d/dphase of (a cos(phase), b sin(phase)) = (-a sin(phase), b cos(phase)).
+        gain_blocks = layout.gain(gain)
+        grad_phase = (grad.select(-2, 1) * trig.select(-2, 0)).mul_(gain_blocks.select(-2, 1))
+        grad_phase.sub_((grad.select(-2, 0) * trig.select(-2, 1)).mul_(gain_blocks.select(-2, 0)))
+        # Reduce over what the parameters broadcast across: batch, positions, the query heads of a group.
+        if need_frequency:
+            grad_frequency = (grad_phase * layout.z(z)).sum_to_size(layout.frequency(frequency).shape)
+            grad_frequency = grad_frequency.view(frequency.shape).to(frequency.dtype)
+        if need_z:
+            grad_z = grad_phase.mul_(layout.frequency(frequency))
+            grad_z = grad_z.squeeze(-2) if layout.num_freq == 1 else grad_z.sum(dim=-2)
+            grad_z = layout.unblock(grad_z).to(z.dtype)
+    if need_gain:
+        grad_gain = trig.mul_(grad).sum(dim=(0, 1, 3)).view(gain.shape).to(gain.dtype)
+    return grad_z, grad_frequency, grad_gain, grad_cos, grad_sin
+
+
+def _add(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
+    return second if first is None else first if second is None else first + second
+
+
 class QKMapFeatureFunction(torch.autograd.Function):
     """``phi`` with a recomputing backward pass: saves ``z``, ``omega``, gains and the RoPE tables only."""
 
     @staticmethod
     def forward(z, frequency, gain, cos, sin, rotate_cos_blocks: bool):
-        layout = _Layout(z, frequency, cos)
-        features = layout.trig(z, frequency).mul_(layout.gain(gain))
-        features = _rotate_blocks_(features, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
-        return layout.output(features, z.dtype)
+        return _features(z, frequency, gain, cos, sin, rotate_cos_blocks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -112,42 +163,42 @@ class QKMapFeatureFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        z, frequency, gain, cos, sin = ctx.saved_tensors
-        need_z, need_frequency, need_gain, need_cos, need_sin = ctx.needs_input_grad[:5]
-        layout = _Layout(z, frequency, cos)
-        table_cos, table_sin = layout.table(cos), layout.table(sin)
-        grad = layout.blocks(grad_output)
-        trig = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
-        grad_cos = grad_sin = None
-        if need_cos or need_sin:  # out = u cos + rotate_half(u) sin on the rotated blocks, u = gain * trig
-            rotated = slice(None) if ctx.rotate_cos_blocks else slice(1, None)
-            features = (trig * layout.gain(gain))[..., rotated, :]
-            grad_rotated = grad[..., rotated, :]
-            if need_cos:
-                grad_cos = (grad_rotated * features).sum_to_size(table_cos.shape).view(cos.shape).to(cos.dtype)
-            if need_sin:
-                first, second = features.chunk(2, dim=-1)
-                half_turn = torch.cat((-second, first), dim=-1)  # rotate_half
-                grad_sin = (grad_rotated * half_turn).sum_to_size(table_sin.shape).view(sin.shape).to(sin.dtype)
-        # Through the rotation (orthogonal and linear): d features = R^T grad.
-        grad = _rotate_blocks_(grad, table_cos, table_sin, ctx.rotate_cos_blocks, adjoint=True)
-        grad_z = grad_frequency = grad_gain = None
-        if need_z or need_frequency:
-            # d/dphase of (a cos(phase), b sin(phase)) = (-a sin(phase), b cos(phase)).
-            gain_blocks = layout.gain(gain)
-            grad_phase = (grad.select(-2, 1) * trig.select(-2, 0)).mul_(gain_blocks.select(-2, 1))
-            grad_phase.sub_((grad.select(-2, 0) * trig.select(-2, 1)).mul_(gain_blocks.select(-2, 0)))
-            # Reduce over what the parameters broadcast across: batch, positions, the query heads of a group.
-            if need_frequency:
-                grad_frequency = (grad_phase * layout.z(z)).sum_to_size(layout.frequency(frequency).shape)
-                grad_frequency = grad_frequency.view(frequency.shape).to(frequency.dtype)
-            if need_z:
-                grad_z = grad_phase.mul_(layout.frequency(frequency))
-                grad_z = grad_z.squeeze(-2) if layout.num_freq == 1 else grad_z.sum(dim=-2)
-                grad_z = layout.unblock(grad_z).to(z.dtype)
-        if need_gain:
-            grad_gain = trig.mul_(grad).sum(dim=(0, 1, 3)).view(gain.shape).to(gain.dtype)
-        return grad_z, grad_frequency, grad_gain, grad_cos, grad_sin, None
+        grads = _feature_gradients(grad_output, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad[:5])
+        return *grads, None
+
+
+class QKMapQueryKeyFunction(torch.autograd.Function):
+    """``phi`` of queries and keys in one node: ``omega`` and the RoPE tables, which both share, saved once.
+
+    Two ``QKMapFeatureFunction`` nodes would each keep a reference to the ``(seq, m)`` cos and sin tables; in the
+    count of saved activation bytes per layer those are as large as a fifth of one ``z`` at ``m = 64``.
+    """
+
+    @staticmethod
+    def forward(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool):
+        return (
+            _features(query, frequency, query_gain, cos, sin, rotate_cos_blocks),
+            _features(key, frequency, key_gain, cos, sin, rotate_cos_blocks),
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:7])
+        ctx.rotate_cos_blocks = inputs[7]
+
+    @staticmethod
+    def backward(ctx, grad_query, grad_key):
+        query, key, frequency, query_gain, key_gain, cos, sin = ctx.saved_tensors
+        need_q, need_k, need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = ctx.needs_input_grad[:7]
+        grad_q, freq_q, gain_q, cos_q, sin_q = _feature_gradients(
+            grad_query, query, frequency, query_gain, cos, sin, ctx.rotate_cos_blocks,
+            (need_q, need_frequency, need_q_gain, need_cos, need_sin),
+        )  # fmt: skip
+        grad_k, freq_k, gain_k, cos_k, sin_k = _feature_gradients(
+            grad_key, key, frequency, key_gain, cos, sin, ctx.rotate_cos_blocks,
+            (need_k, need_frequency, need_k_gain, need_cos, need_sin),
+        )  # fmt: skip
+        return grad_q, grad_k, _add(freq_q, freq_k), gain_q, gain_k, _add(cos_q, cos_k), _add(sin_q, sin_k), None
 
 
 def qkmap_features(
@@ -174,4 +225,45 @@ def qkmap_features(
     inputs = (z, frequency, gain, cos, sin)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
         return QKMapFeatureFunction.apply(*inputs, rotate_cos_blocks)
-    return QKMapFeatureFunction.forward(*inputs, rotate_cos_blocks)
+    return _features(*inputs, rotate_cos_blocks)
+
+
+def qkmap_query_key_features(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    frequency: torch.Tensor,
+    query_gain: torch.Tensor,
+    key_gain: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotate_cos_blocks: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qkmap_features(query, ...), qkmap_features(key, ...))`` with one autograd node for both.
+
+    Queries and keys share ``omega`` and the RoPE tables; one ``QKMapQueryKeyFunction`` saves them once.
+    """
+    inputs = (query, key, frequency, query_gain, key_gain, cos, sin)
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
+        return QKMapQueryKeyFunction.apply(*inputs, rotate_cos_blocks)
+    if query.shape[-2] == 1:
+        return _stacked_features(*inputs, rotate_cos_blocks)
+    return QKMapQueryKeyFunction.forward(*inputs, rotate_cos_blocks)
+
+
+def _stacked_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool):
+    """Decoding (one token, no gradients): queries and keys as the heads of one ``_features`` call.
+
+    At one token the map is ~20 small ops whose cost is the per-op dispatch, not arithmetic: one call for both
+    halves it (measured ~0.6x the time of two calls). Every head gets its own frequency and gain rows (query
+    heads repeat their key head's), so each query and key is mapped exactly as by two separate calls.
+    """
+    heads, groups = query.shape[1], query.shape[1] // key.shape[1]
+    query_frequency = frequency
+    if groups > 1:
+        query_frequency = frequency.repeat_interleave(groups, dim=0)
+        query_gain = query_gain.repeat_interleave(groups, dim=0)
+    z = torch.cat((query, key), dim=1)
+    features = _features(
+        z, torch.cat((query_frequency, frequency)), torch.cat((query_gain, key_gain)), cos, sin, rotate_cos_blocks
+    )
+    return features[:, :heads], features[:, heads:]

@@ -4,9 +4,10 @@
 This file is copied into every saved checkpoint and loaded with ``trust_remote_code=True``: it must
 import only torch and transformers (and sibling files, relatively).
 
-Everything that differs from Llama sits in the first section: the feature map ``qkmap_features`` (in
-feature_map_qkmap.py, with its recomputing backward pass), the ``QKMapFeatureMap`` module that owns the frequencies and gains, and ``QKMapAttention`` with its three
-modes. The rest is Llama's layout, parameter names included, so weights move between them by name.
+Everything that differs from Llama is in attention_qkmap.py (``QKMapAttention`` with its three modes and its
+kernels, the ``QKMapFeatureMap`` module that owns the frequencies and gains) and feature_map_qkmap.py (the
+feature map ``qkmap_features`` with its recomputing backward pass). This file is Llama's layout around them,
+parameter names included, so weights move between them by name.
 """
 
 from __future__ import annotations
@@ -14,29 +15,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .attention_qkmap import QKMapAttention, QKMapFeatureMap, QKMapInputRMSNorm, single_query_attention
 from .configuration_qkmap import QKMapConfig
 from .feature_map_qkmap import qkmap_features
 from .position_prior import QKPositionPrior
@@ -48,269 +41,8 @@ _OUTPUT_CACHE_FIELD = (
     "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 )
 
-# Kernels that want queries, keys and values of one width. Values are zero-padded to the key width and
-# the output sliced back: exact, and it keeps the fused kernels (CPU sdpa leaves its fused path otherwise).
-# flex_attention takes values narrower than queries/keys as they are. A single query token (decoding) skips the
-# padding for sdpa too: its T x 1 scores cost nothing on the unfused path, the copy of the whole value cache does.
-PAD_VALUES_FOR_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
-FLASH_MAX_HEAD_DIM = 256
-
-
 # --------------------------------------------------------------------------------------------------
-# The QK-MAP math
-# --------------------------------------------------------------------------------------------------
-
-
-def qkmap_native_frequencies(config: QKMapConfig) -> torch.Tensor:
-    """Geometric grid from ``qkmap_min_frequency`` to ``qkmap_max_frequency`` over blocks and channels."""
-    num_freq, m = config.qkmap_num_frequencies, config.qkmap_feature_dim_per_block
-    per_block = config.qkmap_frequency_sharing == "head"
-    count = num_freq if per_block else num_freq * m
-    grid = torch.logspace(
-        math.log10(config.qkmap_min_frequency), math.log10(config.qkmap_max_frequency), count, dtype=torch.float64
-    )
-    grid = grid.view(num_freq, 1 if per_block else m)
-    return grid.unsqueeze(0).expand(config.num_key_value_heads, -1, -1).float()
-
-
-class QKMapFeatureMap(nn.Module):
-    """Frequencies and gains of one attention layer, owned by the key/value heads.
-
-    Query heads of a GQA group share their key head's frequencies, so the logit depends on phase
-    differences only; queries and keys have separate gains (like QK-Norm's separate weights).
-    ``log_frequency`` stores ``log(omega)`` so up-training can travel from ``omega ~ 1e-3`` to ``~1``.
-    """
-
-    def __init__(self, config: QKMapConfig):
-        super().__init__()
-        self.config = config
-        kv_heads, num_freq, m = (
-            config.num_key_value_heads,
-            config.qkmap_num_frequencies,
-            config.qkmap_feature_dim_per_block,
-        )
-        freq_width = 1 if config.qkmap_frequency_sharing == "head" else m
-        self.log_frequency = nn.Parameter(
-            torch.zeros(kv_heads, num_freq, freq_width), requires_grad=config.qkmap_learnable_frequencies
-        )
-        self.query_gain = nn.Parameter(torch.ones(kv_heads, 2 * num_freq, m))
-        self.key_gain = nn.Parameter(torch.ones(kv_heads, 2 * num_freq, m))
-        self.inverse_frequency_gains = config.qkmap_gain_parametrization == "inverse_frequency"
-
-    def frequency(self) -> torch.Tensor:
-        """``omega`` in float32, ``(kv_heads, F, m or 1)``."""
-        return self.log_frequency.float().exp()
-
-    def effective_gain(self, gain: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-        """Gain applied to the features; ``stored / omega`` under the inverse-frequency parametrization."""
-        gain = gain.float()
-        if self.inverse_frequency_gains:
-            gain = gain / frequency.repeat_interleave(2, dim=1)
-        return gain
-
-    def forward(
-        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        frequency = self.frequency()
-        rotate = self.config.qkmap_rotate_cos_blocks
-        return (
-            qkmap_features(query, frequency, self.effective_gain(self.query_gain, frequency), cos, sin, rotate),
-            qkmap_features(key, frequency, self.effective_gain(self.key_gain, frequency), cos, sin, rotate),
-        )
-
-    @torch.no_grad()
-    def initial_values(self) -> dict[str, torch.Tensor]:
-        """Parameter values of the configured initialisation (``qkmap_init``)."""
-        config, shape = self.config, self.log_frequency.shape
-        if config.qkmap_init == "exact":
-            omega = torch.full(shape, config.qkmap_exact_frequency)
-            sine_gain = torch.ones(self.query_gain.shape)
-            if not self.inverse_frequency_gains:
-                sine_gain = sine_gain / omega.repeat_interleave(2, dim=1).expand_as(sine_gain)
-            gain = torch.zeros_like(sine_gain)
-            gain[:, 1] = sine_gain[:, 1]  # only the first sine block: a_sin sin(omega z) ~ z, the rest is zero
-            return {"log_frequency": omega.log(), "query_gain": gain, "key_gain": gain.clone()}
-        omega = qkmap_native_frequencies(config)
-        gain = torch.ones(self.query_gain.shape)
-        if self.inverse_frequency_gains:
-            gain = gain * omega.repeat_interleave(2, dim=1).expand_as(gain)
-        return {"log_frequency": omega.log(), "query_gain": gain, "key_gain": gain.clone()}
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return (
-            f"num_frequencies={c.qkmap_num_frequencies}, input_dim={c.qkmap_feature_dim_per_block}, "
-            f"sharing={c.qkmap_frequency_sharing}, gains={c.qkmap_gain_parametrization}"
-        )
-
-
-class QKMapInputRMSNorm(LlamaRMSNorm):
-    """Per-head RMSNorm on ``z`` before the feature map (``qkmap_input_norm``), raised to a power ``beta``:
-    ``weight * z / (rms(z)^beta * r^(1 - beta))`` with ``r`` a per-head reference scale.
-
-    ``beta = 1`` (``qkmap_input_norm_power``) is Qwen3's ``q_norm``/``k_norm`` exactly, where a converted Qwen3
-    starts (``r`` unused); ``beta = 0`` is the fixed per-channel scale ``weight / r``, which folds into the
-    projection and leaves plain QK-MAP. Annealing ``beta`` from 1 to 0 heals the norm away.
-    """
-
-    def __init__(self, config: QKMapConfig, num_heads: int):
-        super().__init__(config.projection_dim, eps=config.rms_norm_eps)
-        self.config = config
-        self.reference_scale = nn.Parameter(torch.ones(num_heads), requires_grad=False)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        power = self.config.qkmap_input_norm_power
-        if power == 1:
-            return super().forward(hidden_states)
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        reference = self.reference_scale.float().unsqueeze(-1)  # (heads, 1) against (..., heads, dim)
-        scale = (variance + self.variance_epsilon).pow(-power / 2) * reference.pow(power - 1)
-        return self.weight * (hidden_states * scale).to(input_dtype)
-
-
-class QKMapAttention(nn.Module):
-    """Llama attention whose queries and keys follow ``config.qk_mode``; values and output are Llama's."""
-
-    def __init__(self, config: QKMapConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.qk_mode = config.qk_mode
-        self.head_dim = config.head_dim
-        self.projection_dim = config.projection_dim
-        self.query_key_dim = config.query_key_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        if self.qk_mode == "qk_map":
-            self.scaling = config.qkmap_logit_scale or config.qkmap_feature_dim_per_block**-0.5
-        else:
-            self.scaling = self.head_dim**-0.5
-        self.scaling = self.scaling * config.logit_scale_multiplier  # 1.0 leaves Llama's float unchanged
-
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.projection_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.projection_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        if self.qk_mode == "qk_norm":
-            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        elif self.qk_mode == "qk_map":
-            self.qk_map = QKMapFeatureMap(config)
-            if config.qkmap_input_norm:
-                self.q_norm = QKMapInputRMSNorm(config, config.num_attention_heads)
-                self.k_norm = QKMapInputRMSNorm(config, config.num_key_value_heads)
-        if config.qk_position_prior == "constant":
-            self.position_prior = QKPositionPrior(config)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = cache if cache is not None else past_key_values
-        input_shape = hidden_states.shape[:-1]
-        query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
-        key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
-        value_states = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        if self.qk_mode == "qk_norm" or hasattr(self, "q_norm"):  # qk_norm mode, or qk_map's input norm
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-
-        cos, sin = position_embeddings
-        if self.qk_mode == "qk_map":
-            query_states, key_states = self.qk_map(query_states, key_states, cos, sin)
-        else:
-            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-            if self.config.qk_position_prior == "constant":
-                query_states, key_states = self.position_prior(query_states, key_states, cos, sin)
-
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-
-        implementation = self.config._attn_implementation or "eager"
-        attention_interface = self.attention_kernel(implementation, query_states.shape[-2])
-        value_for_kernel = self.pad_values_for_kernel(value_states, implementation, query_states.shape[-2])
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_for_kernel,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        attn_output = attn_output[..., : self.head_dim]
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
-
-    def attention_kernel(self, implementation: str, query_length: int) -> Callable:
-        """The configured kernel; for sdpa with one query token and keys wider than values, ``single_query_attention``."""
-        if (
-            implementation == "sdpa"
-            and query_length == 1
-            and self.query_key_dim != self.head_dim
-            and not (self.training and self.attention_dropout > 0)
-        ):
-            return single_query_attention
-        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-
-    def pad_values_for_kernel(
-        self, value_states: torch.Tensor, implementation: str, query_length: int | None = None
-    ) -> torch.Tensor:
-        """Zero-pad values to the query/key width for kernels that want one width (see module constant)."""
-        extra = self.query_key_dim - self.head_dim
-        if extra <= 0 or not implementation.startswith(PAD_VALUES_FOR_IMPLEMENTATIONS):
-            return value_states
-        if query_length == 1 and implementation == "sdpa":
-            return value_states
-        if implementation.startswith("flash_attention") and self.query_key_dim > FLASH_MAX_HEAD_DIM:
-            raise ValueError(
-                f"attn_implementation={implementation!r} supports head widths up to {FLASH_MAX_HEAD_DIM}, but QK-MAP "
-                f"queries/keys are {self.query_key_dim} wide (2 * qkmap_num_frequencies * qkmap_input_dim). Use "
-                "attn_implementation='sdpa' or a smaller qkmap_input_dim (e.g. head_dim // (2 * F))."
-            )
-        return F.pad(value_states, (0, extra))
-
-
-def single_query_attention(
-    module: QKMapAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Attention of one query token over the cache, with values narrower than keys (decoding, sdpa masks).
-
-    sdpa would need values padded to the key width (a copy of the whole value cache per step) or take its
-    unfused path (which rescales the whole key cache per step); here the scale hits the ``1 x T`` scores only,
-    and GQA groups share their key head without repeating the cache. Returns ``(batch, 1, heads, d)`` as sdpa.
-    """
-    batch, heads, _, width = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.view(batch, kv_heads, heads // kv_heads, width)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scaling  # (batch, kv_heads, groups, T)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1, : key.shape[-2]]  # (batch, 1 or heads, T)
-        mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kv_heads, -1, mask.shape[-1])
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
-    output = torch.matmul(probs, value)  # (batch, kv_heads, groups, d)
-    return output.view(batch, 1, heads, value.shape[-1]), None
-
-
-# --------------------------------------------------------------------------------------------------
-# Llama's layout around it
+# Llama's layout around QKMapAttention
 # --------------------------------------------------------------------------------------------------
 
 
@@ -438,7 +170,9 @@ class QKMapModel(QKMapPreTrainedModel):
         )
         hidden_states = inputs_embeds
         # QK-MAP rotates its feature blocks in float32; the other modes keep Llama's exact numerics.
-        rope_reference = hidden_states.new_empty(0, dtype=torch.float32) if self.config.qk_mode == "qk_map" else hidden_states
+        rope_reference = (
+            hidden_states.new_empty(0, dtype=torch.float32) if self.config.qk_mode == "qk_map" else hidden_states
+        )
         position_embeddings = self.rotary_emb(rope_reference, position_ids=position_ids)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -517,4 +251,5 @@ __all__ = [
     "QKMapPreTrainedModel",
     "QKPositionPrior",
     "qkmap_features",
+    "single_query_attention",
 ]
