@@ -37,7 +37,7 @@ FLASH_MAX_HEAD_DIM = 256
 
 def qkmap_native_frequencies(config: QKMapConfig) -> torch.Tensor:
     """Geometric grid from ``qkmap_min_frequency`` to ``qkmap_max_frequency`` over blocks and channels."""
-    num_freq, m = config.qkmap_num_frequencies, config.qkmap_feature_dim_per_block
+    num_freq, m = config.qkmap_num_frequencies, config.resolved_qkmap_input_dim
     per_block = config.qkmap_frequency_sharing == "head"
     count = num_freq if per_block else num_freq * m
     grid = torch.logspace(
@@ -61,7 +61,7 @@ class QKMapFeatureMap(nn.Module):
         kv_heads, num_freq, m = (
             config.num_key_value_heads,
             config.qkmap_num_frequencies,
-            config.qkmap_feature_dim_per_block,
+            config.resolved_qkmap_input_dim,
         )
         freq_width = 1 if config.qkmap_frequency_sharing == "head" else m
         self.log_frequency = nn.Parameter(
@@ -115,7 +115,7 @@ class QKMapFeatureMap(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return (
-            f"num_frequencies={c.qkmap_num_frequencies}, input_dim={c.qkmap_feature_dim_per_block}, "
+            f"num_frequencies={c.qkmap_num_frequencies}, input_dim={c.resolved_qkmap_input_dim}, "
             f"sharing={c.qkmap_frequency_sharing}, gains={c.qkmap_gain_parametrization}"
         )
 
@@ -161,7 +161,7 @@ class QKMapAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         if self.qk_mode == "qk_map":
-            self.scaling = config.qkmap_logit_scale or config.qkmap_feature_dim_per_block**-0.5
+            self.scaling = config.qkmap_logit_scale or config.resolved_qkmap_input_dim**-0.5
         else:
             self.scaling = self.head_dim**-0.5
         self.scaling = self.scaling * config.logit_scale_multiplier  # 1.0 leaves Llama's float unchanged
