@@ -7,7 +7,8 @@ Each subcommand lives in ``qkmap_hf/commands/<name>.py`` and defines ``HELP`` (o
 another program (``qkmap eval`` hands over to lm-eval's CLI) defines ``run_raw(argv) -> int`` instead.
 Modules load only when their command runs, so ``qkmap --help`` stays fast.
 
-``main`` is the one place that turns a refusal into one line on stderr and exit code 2: the project's errors
+``main`` is the one place that turns a refusal into one line on stderr and exit code 2 (1 for a failed push
+validation, whose message lists every problem on its own line): the project's errors
 (``ValueError`` subclasses such as ``ConversionError``), file-system errors (``OSError``: missing file, full disk,
 permission) and network errors. ``--debug`` (or ``QKMAP_DEBUG=1``) shows the traceback instead.
 """
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         print(f"{command}: error: {describe_error(error)}", file=sys.stderr)
         if not debug:
             print(f"{command}: (run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
-        return EXIT_REFUSED
+        return getattr(error, "exit_code", EXIT_REFUSED)  # a push validation report exits 1
 
 
 def _dispatch(argv: list[str], progs: dict[str, str] | None = None) -> int:

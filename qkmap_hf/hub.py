@@ -73,8 +73,17 @@ _CLEAN_LOAD = textwrap.dedent(
 )
 
 
+class PushRefusedError(ValueError):
+    """The environment forbids the upload (e.g. ``HF_HUB_OFFLINE``); nothing was uploaded."""
+
+
 class PushValidationError(ValueError):
-    """The folder is not fit for publishing; ``problems`` says what to fix. Nothing was uploaded."""
+    """The folder is not fit for publishing; ``problems`` says what to fix. Nothing was uploaded.
+
+    ``qkmap`` exits with ``exit_code`` 1 for it (a validation report, one line per problem), 2 for other refusals.
+    """
+
+    exit_code = 1
 
     def __init__(self, folder: str | Path, problems: list[str]):
         self.folder = str(folder)
@@ -140,11 +149,15 @@ def _check_config(folder: Path, problems: list[str]) -> dict | None:
         seen.add(name)
         code = folder / name
         if not code.is_file():
-            problems.append(f"{name} (remote code the model loads) is missing; re-save the model with qkmap_hf imported.")
+            problems.append(
+                f"{name} (remote code the model loads) is missing; re-save the model with qkmap_hf imported."
+            )
             continue
         text = code.read_text(encoding="utf-8", errors="replace")
         if _IMPORTS_QKMAP_HF.search(text):
-            problems.append(f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers.")
+            problems.append(
+                f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers."
+            )
         pending.extend(f"{module}.py" for module in _RELATIVE_IMPORT.findall(text))
     return config
 
@@ -278,7 +291,7 @@ def push_to_hub(
 
     check_repo_id(repo_id)
     if constants.is_offline_mode():
-        raise RuntimeError("HF_HUB_OFFLINE is set, so huggingface_hub makes no requests; unset it to push.")
+        raise PushRefusedError("HF_HUB_OFFLINE is set, so huggingface_hub makes no requests; unset it to push.")
     problems = validate_for_push(folder, load_check=load_check)
     if problems:
         raise PushValidationError(folder, problems)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 HELP = "Validate a checkpoint folder (clean load without qkmap_hf, no pickles, card) and upload it to the Hub."
 
@@ -19,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Validate, then upload; refusals (a failed validation included, exit code 1) go through ``cli.main``."""
     from ..hub import PushValidationError, check_repo_id, files_to_upload, push_to_hub, validate_for_push
     from .paths import require_path
 
@@ -27,27 +27,19 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         problems = validate_for_push(args.model)
         if problems:
-            print(str(PushValidationError(args.model, problems)), file=sys.stderr)
-            return 1
+            raise PushValidationError(args.model, problems)
         files = files_to_upload(args.model)
         print(f"{args.model} is ready to push ({len(files)} files):")
         for name in files:
             print(f"  {name}")
         return 0
-    try:
-        info = push_to_hub(
-            args.model,
-            args.repo_id,
-            private=args.private,
-            revision=args.revision,
-            commit_message=args.commit_message,
-            token=args.token,
-        )
-    except PushValidationError as error:
-        print(f"qkmap push: {error}", file=sys.stderr)
-        return 1
-    except RuntimeError as error:
-        print(f"qkmap push: {error}", file=sys.stderr)
-        return 2
+    info = push_to_hub(
+        args.model,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        token=args.token,
+    )
     print(f"pushed {args.model} to {args.repo_id}: {info.commit_url}")
     return 0
