@@ -64,9 +64,7 @@ class HealOptions:
     alpha: float = field(default=1.1, metadata=_help("target p90 phase per channel, rad"))
     phase_ramp: tuple[float, float] = field(
         default=(0.0, 0.5),
-        metadata=_help(
-            "window over which omega goes to alpha / p90|z|", action=WINDOW, metavar="START:END"
-        ),
+        metadata=_help("window over which omega goes to alpha / p90|z|", action=WINDOW, metavar="START:END"),
     )
     phase_ramp_space: str = field(
         default="linear",
@@ -77,9 +75,7 @@ class HealOptions:
     )
     compensate_gains: bool = field(
         default=True,
-        metadata=_help(
-            "scale each sine gain by its least-squares fit of z as the sine bends (keeps the logit scale)"
-        ),
+        metadata=_help("scale each sine gain by its least-squares fit of z as the sine bends (keeps the logit scale)"),
     )
     layerwise: bool = field(default=False, metadata=_help("ramp the layers one after another, first to last"))
     block_spread: float = field(default=2.0, metadata=_help("phase ratio between frequency blocks"))
@@ -99,7 +95,7 @@ class HealOptions:
         default=0.3, metadata=_help("key gain of dead sine rows (extra frequency blocks) after switch-on")
     )
     cos_share: float = field(
-        default=0.1,
+        default=0.12,
         metadata=_help(
             "cos rows switched on (both sides) to carry this share of the feature energy; 0: key side only, at "
             "--switch-on-key-gain"
@@ -107,7 +103,10 @@ class HealOptions:
     )
     kl_weight: float = field(default=1.0, metadata=_help("lambda in CE + lambda * KL(teacher||student)"))
     kl_weight_end: float | None = field(
-        default=None, metadata=_help("lambda at the end of the run (linear; default: constant)")
+        default=0.0,
+        metadata=_help(
+            "lambda at the end of the run, reached linearly (give the --kl-weight value for a constant weight)"
+        ),
     )
     native_gains: bool = field(
         default=True,
