@@ -140,12 +140,15 @@ def plot(out: Path, summary: dict) -> None:
                 )
             continue
         steps = [r["step"] for r in rows]
-        ax_ppl.plot(steps, [r["perplexity"] for r in rows], marker="o", label=arm)
-        ax_phase.plot(steps, [min(r["phase_p90"]) for r in rows], marker="o", label=f"{arm}: min over layers of p90")
-        ax_phase.plot(steps, [min(r["cos_energy_share"]) for r in rows], ls=":", label=f"{arm}: min cos energy share")
+        (line,) = ax_ppl.plot(steps, [r["perplexity"] for r in rows], marker="o", label=arm)
+        color = line.get_color()  # one colour per arm in every panel
+        ax_phase.plot(steps, [min(r["phase_p90"]) for r in rows], marker="o", color=color, label=f"{arm}: min p90")
+        ax_phase.plot(steps, [min(r["cos_energy_share"]) for r in rows], ls=":", color=color,
+                      label=f"{arm}: min cos energy share")  # fmt: skip
         ratio = [r["perplexity"] / llama["final_perplexity"] for r in rows] if llama.get("final_perplexity") else None
         if ratio:
-            ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", label=f"{arm} (/ final Llama arm)")
+            ax_front.plot([min(r["phase_p90"]) for r in rows], ratio, marker="o", color=color,
+                          label=f"{arm} (/ final Llama arm)")  # fmt: skip
     forcing = summary.get("forcing") or []
     for recipe, style in (("plain", "s--"), ("compensated", "^--"), ("cos", "v--")):
         rows = [r for r in forcing if r.get("recipe", "plain") == recipe]
