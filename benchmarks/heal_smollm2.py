@@ -208,6 +208,9 @@ def markdown(summary: dict) -> str:
                   "min p90 phase | max p90 phase | min cos share | regime |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in summary["forcing"]:
             tuning = row.get("tuning_milton_perplexity")
+            if row.get("recipe") == "none":
+                lines.append(f"| none (converted, unforced) | 0 | {row['held_out_perplexity']:.2f} | {tuning:.2f} | | | | linear |")
+                continue
             cos = min(row["cos_energy_share"]) if row.get("cos_energy_share") else 0.0
             lines.append(f"| {row.get('recipe', 'plain')} | {row['alpha']} | {row['perplexity']:.2f} | "
                          f"{'' if tuning is None else f'{tuning:.2f}'} | {min(row['phase_p90']):.3g} | "
@@ -349,9 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.forcing_alphas:
         train_set, eval_set, _ = datasets
         splits = {"held_out": eval_set.blocks, "tuning_milton": tuning_blocks(tokenizer, args.block_size, 24)}
+        if not any(r.get("recipe") == "none" for r in summary.get("forcing", [])):  # the unforced reference
+            reference = {f"{name}_perplexity": folder_perplexity(converted, blocks) for name, blocks in splits.items()}
+            summary.setdefault("forcing", []).insert(0, {"alpha": 0.0, "recipe": "none", **reference})
         for recipe in args.forcing_recipes:
             rows = forcing_sweep(converted, train_set.blocks[:8], splits, args.forcing_alphas, recipe)
-            summary["forcing"] = [r for r in summary.get("forcing", []) if r.get("recipe", "plain") != recipe] + rows
+            replaced = {(recipe, alpha) for alpha in args.forcing_alphas}
+            kept = [r for r in summary.get("forcing", []) if (r.get("recipe", "plain"), r["alpha"]) not in replaced]
+            summary["forcing"] = kept + rows
             atomic_write_json(summary_path, summary)
         atomic_write_json(summary_path, summary)
         plot(out, summary)
