@@ -1,10 +1,12 @@
 """Healing measured on SmolLM2-135M-Instruct: converted (exact) -> ``qkmap heal`` vs the Llama model up-trained on the
 same tokens with the same optimizer. Resumable: a finished arm is skipped, an interrupted heal arm resumes.
 
-    OMP_NUM_THREADS=1 python benchmarks/heal_smollm2.py --output-dir runs/heal-smollm2 --steps 200 --batch-size 1 \
-        --eval-steps 25 --save-steps 50 --alpha 1.2 --qkmap-learning-rate 5e-3 --switch-on-key-gain 0.3
+    OMP_NUM_THREADS=1 python benchmarks/heal_smollm2.py --output-dir runs/heal2d --steps 200 --batch-size 1 \
+        --eval-steps 25 --save-steps 50 --alpha 1.1 --qkmap-learning-rate 5e-3 --switch-on-key-gain 0.3 \
+        --arms heal-klend=0-cos=0.12                  # the defaults (docs/healing.md, recipe 2)
 
-Arms (``--arms``): ``heal`` (``--alpha``, ``--kl-weight``; variants such as ``heal-alpha=0.6``, ``heal-kl=0``) and
+Arms (``--arms``): ``heal`` (``--alpha``, ``--kl-weight``; variants such as ``heal-alpha=0.6``, ``heal-kl=0``, keys in
+``VARIANT_KEYS``) and
 ``llama`` (``qkmap train`` of the source). Writes ``summary.json`` (settings, data, per-arm final numbers, attention behaviour of the source and
 the healed model), each arm's ``heal.json``/``heal.csv`` rows, and ``heal_trajectory.png``.
 ``--plot-only`` redraws the plot from the files.
