@@ -211,7 +211,9 @@ def markdown(summary: dict) -> str:
         for row in summary["forcing"]:
             tuning = row.get("tuning_milton_perplexity")
             if row.get("recipe") == "none":
-                lines.append(f"| none (converted, unforced) | 0 | {row['held_out_perplexity']:.2f} | {tuning:.2f} | | | | linear |")
+                lines.append(
+                    f"| none (converted, unforced) | 0 | {row['held_out_perplexity']:.2f} | {tuning:.2f} | | | | linear |"
+                )
                 continue
             cos = min(row["cos_energy_share"]) if row.get("cos_energy_share") else 0.0
             lines.append(f"| {row.get('recipe', 'plain')} | {row['alpha']} | {row['perplexity']:.2f} | "

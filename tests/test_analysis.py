@@ -48,7 +48,13 @@ def analysis(tmp_path_factory):
     )  # fmt: skip
     assert code == 0
     data = json.loads((out / "analysis.json").read_text())
-    return {"data": data, "out": out, "text": text, "models": models, "by_mode": {m["qk_mode"]: m for m in data["models"]}}
+    return {
+        "data": data,
+        "out": out,
+        "text": text,
+        "models": models,
+        "by_mode": {m["qk_mode"]: m for m in data["models"]},
+    }
 
 
 def test_json_has_three_analyses_per_model(analysis):
@@ -110,7 +116,9 @@ def test_standard_scale_sensitivity_matches_logit_scaling(analysis):
 def test_plots_written(analysis):
     out, data = analysis["out"], analysis["data"]
     for model in data["models"]:
-        expected = {"scale_sensitivity", "first_token_mass", "evidence_contrast"} | ({"phase"} if model["phase"] else set())
+        expected = {"scale_sensitivity", "first_token_mass", "evidence_contrast"} | (
+            {"phase"} if model["phase"] else set()
+        )
         assert set(model["plots"]) == expected
         for relative in model["plots"].values():
             assert (out / relative).read_bytes()[:8] == PNG
