@@ -8,16 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import TrainingArguments
 
-import qkmap_hf
 from qkmap_hf import phases
 from qkmap_hf.assets import shakespeare_text
 from qkmap_hf.cli import main as cli_main
 from qkmap_hf.training.data import PackedDataset, build_datasets, byte_level_tokenizer
 from qkmap_hf.training.heal import HealOptions, HealTrainer, distillation_kl
 from qkmap_hf.training.schedules import GainSwitchOnSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
-from tests.utils import kl_per_token, run_clean_python, tiny_config_kwargs
+from tests.utils import kl_per_token, load_float32, run_clean_python, tiny_llama_converted_exactly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,18 +25,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def folders(tmp_path_factory) -> dict[str, Path]:
     """A tiny random Llama with a byte-level tokenizer, its exact conversion (2 frequency blocks) and some text."""
     root = tmp_path_factory.mktemp("heal")
-    tokenizer = byte_level_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(**tiny_config_kwargs(vocab_size=len(tokenizer), initializer_range=0.1))
-    LlamaForCausalLM(config).save_pretrained(root / "src")
-    tokenizer.save_pretrained(root / "src")
-    qkmap_hf.convert_checkpoint(root / "src", root / "conv", init="exact", num_frequencies=2, progress=False)
+    folders = tiny_llama_converted_exactly(root, initializer_range=0.1, num_frequencies=2)
     (root / "text.txt").write_text(shakespeare_text(max_chars=40_000, plays=("hamlet_gut",)), encoding="utf-8")
-    return {"src": root / "src", "conv": root / "conv", "text": root / "text.txt"}
+    return {**folders, "text": root / "text.txt"}
 
 
-def _load(path: Path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+_load = load_float32
 
 
 def _blocks(folders, count: int = 4, block: int = 64) -> torch.Tensor:

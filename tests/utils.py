@@ -59,3 +59,28 @@ def written_out_features(z, frequency, gain, cos, sin, rotate_cos_blocks=True):
                 blocks.append(block)
         out.append(torch.cat(blocks, dim=-1))
     return torch.stack(out, dim=1)
+
+
+def load_float32(path: Path):
+    """A saved causal LM in float32, eval mode (the heal tests compare logits and gains of such folders)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def tiny_llama_converted_exactly(root: Path, *, initializer_range: float, num_frequencies: int = 1) -> dict[str, Path]:
+    """A tiny random Llama with a byte-level tokenizer in ``root/src`` (seed 0) and its exact conversion in
+    ``root/conv``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import qkmap_hf
+    from qkmap_hf.training.data import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(**tiny_config_kwargs(vocab_size=len(tokenizer), initializer_range=initializer_range))
+    LlamaForCausalLM(config).save_pretrained(root / "src")
+    tokenizer.save_pretrained(root / "src")
+    qkmap_hf.convert_checkpoint(root / "src", root / "conv", init="exact", num_frequencies=num_frequencies,
+                                progress=False)  # fmt: skip
+    return {"src": root / "src", "conv": root / "conv"}
