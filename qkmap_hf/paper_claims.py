@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .fileio import atomic_write_json, atomic_write_text
-from .training.sweep import paired_interval
+from .training.sweep import format_interval, paired_interval
 
 BASELINES = ("qk_norm", "standard")
 SUBJECT = "qk_map"
@@ -207,11 +207,7 @@ def verdict(table: dict[str, dict], metric: Metric) -> str:
 
 
 def _cell(entry: dict | None) -> str:
-    if not entry:
-        return ""
-    if entry["low"] is None:
-        return f"{entry['mean']:+.4g}"
-    return f"{entry['mean']:+.4g} [{entry['low']:+.4g}, {entry['high']:+.4g}]"
+    return format_interval(entry, spec=".4g", single="")
 
 
 def claims_markdown(tables: dict[str, dict[str, dict]], verdicts: dict[str, str], at_init: dict[str, dict]) -> str:

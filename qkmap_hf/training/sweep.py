@@ -411,12 +411,13 @@ def summarize_sweep(rows: list[dict], sweep: SweepOptions, grids: dict, choices:
     }
 
 
-def _interval(entry: dict | None) -> str:
+def format_interval(entry: dict | None, spec: str = ".4f", single: str = " (n=1)") -> str:
+    """A ``paired_interval`` as a table cell, ``mean [low, high]``; ``single`` follows the mean of one pair."""
     if not entry:
         return ""
     if entry["low"] is None:
-        return f"{entry['mean']:+.4f} (n=1)"
-    return f"{entry['mean']:+.4f} [{entry['low']:+.4f}, {entry['high']:+.4f}]"
+        return f"{entry['mean']:+{spec}}{single}"
+    return f"{entry['mean']:+{spec}} [{entry['low']:+{spec}}, {entry['high']:+{spec}}]"
 
 
 def summary_markdown(summary: dict) -> str:
@@ -432,8 +433,8 @@ def summary_markdown(summary: dict) -> str:
         mean = f"{arm['report_mean']:.4f}" if arm["report_mean"] is not None else ""
         lines.append(
             f"| {name} | {len(arm['grid'])} | {arm['choice']} | {len(arm['report_losses'])} | {mean} | {std} "
-            f"| {_interval(summary['paired'].get(name, {}).get('standard'))} "
-            f"| {_interval(summary['paired'].get(name, {}).get('qk_norm'))} |"
+            f"| {format_interval(summary['paired'].get(name, {}).get('standard'))} "
+            f"| {format_interval(summary['paired'].get(name, {}).get('qk_norm'))} |"
         )
     lines += ["", "Tuning-split losses (mean over tuning seeds) per grid point:", ""]
     for name, arm in arms.items():
