@@ -44,6 +44,7 @@ HEAL_RECORD = "heal.json"
 HEAL_TABLE = "heal.csv"
 HEAL_PROVENANCE = PROVENANCE_FILES["healing"]
 STATE_FILE = "heal_state.safetensors"
+TENSOR_LIST = "tensor_list"  # metadata marker: this state entry is a list of that many tensors in the file
 
 
 WINDOW = parsed_by(fraction_window)
@@ -181,10 +182,10 @@ def _save_state(path: Path, schedules: list, extra: dict[str, Any]) -> None:
     for schedule in schedules:
         for key, value in schedule.state_dict().items():
             name = f"{schedule.name}.{key}"
-            if isinstance(value, list):
-                meta[name] = len(value)
+            if isinstance(value, list) and value and all(isinstance(t, torch.Tensor) for t in value):
+                meta[name] = {TENSOR_LIST: len(value)}
                 tensors.update({f"{name}.{i}": t.contiguous() for i, t in enumerate(value)})
-            else:
+            else:  # JSON: numbers, strings, lists of them (an empty list stays a list)
                 meta[name] = value
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata={"heal": json.dumps(meta)})
@@ -200,11 +201,13 @@ def _load_state(path: Path, schedules: list) -> dict[str, Any]:
             keys = {key.split(".", 1)[1] for key in meta if key.startswith(f"{schedule.name}.")}
             state = {}
             for key in keys:
-                value = meta[f"{schedule.name}.{key}"]
-                is_list = isinstance(value, int) and f"{schedule.name}.{key}.0" in handle.keys()  # noqa: SIM118
-                state[key] = (
-                    [handle.get_tensor(f"{schedule.name}.{key}.{i}") for i in range(value)] if is_list else value
-                )
+                name = f"{schedule.name}.{key}"
+                value = meta[name]
+                if isinstance(value, dict) and TENSOR_LIST in value:
+                    value = [handle.get_tensor(f"{name}.{i}") for i in range(value[TENSOR_LIST])]
+                elif isinstance(value, int) and f"{name}.0" in handle.keys():  # noqa: SIM118  (files before TENSOR_LIST)
+                    value = [handle.get_tensor(f"{name}.{i}") for i in range(value)]
+                state[key] = value
             schedule.load_state_dict(state)
     return meta
 

@@ -273,8 +273,8 @@ class PhaseScaleSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.start_log_frequency = list(state["start_log_frequency"])
         self.p90 = list(state["p90"])
-        self.sketch = list(state.get("sketch") or [])  # an empty list is stored as its length, 0
-        self.applied_scale = list(state.get("applied_scale") or [])
+        self.sketch = list(state.get("sketch", []))  # absent in state saved before gain compensation
+        self.applied_scale = list(state.get("applied_scale", []))
         self.calibrated_at = int(state["calibrated_at"])
 
 
@@ -362,12 +362,12 @@ class GainSwitchOnSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         return {"dead_rows": self.dead_rows, "cos_targets": self.cos_targets,
-                "measured_at": [torch.tensor(step) for step in self.measured_at]}  # fmt: skip
+                "measured_at": self.measured_at}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dead_rows = list(state["dead_rows"])
-        self.cos_targets = list(state.get("cos_targets") or [])
-        self.measured_at = [int(step) for step in state.get("measured_at") or []]
+        self.cos_targets = list(state.get("cos_targets", []))
+        self.measured_at = [int(step) for step in state.get("measured_at", [])]  # 0-d tensors in older files
 
 
 class NormAnnealSchedule:
