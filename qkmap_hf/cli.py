@@ -134,8 +134,8 @@ def _take_debug_flag(argv: list[str]) -> bool:
 
 
 def run_command(name: str, argv: list[str] | None = None, prog: str | None = None) -> int:
-    """``qkmap NAME ARGV`` as a program of its own (``conversion/convert_llama_to_qkmap.py``, ``python -m
-    qkmap_hf.train``), with ``main``'s error handling and exit codes; ``prog`` names it in messages."""
+    """``qkmap NAME ARGV`` as a program of its own (``conversion/convert_llama_to_qkmap.py``), with ``main``'s
+    error handling and exit codes; ``prog`` names it in messages."""
     return main([name, *(sys.argv[1:] if argv is None else argv)], prog=prog)
 
 

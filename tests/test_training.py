@@ -188,11 +188,11 @@ def test_bf16_is_off_on_cpu():
 
 @pytest.fixture(scope="module")
 def tiny_run(corpus, tmp_path_factory):
-    from qkmap_hf.train import main
+    from qkmap_hf.cli import run_command
 
     out = tmp_path_factory.mktemp("tiny-run") / "out"
     torch.set_num_threads(1)
-    code = main([
+    code = run_command("train", [
         "--model", "tiny", "--data", str(corpus), "--output-dir", str(out), "--max-steps", "60",
         "--logging-steps", "5", "--eval-steps", "20", "--save-steps", "30", "--max-eval-blocks", "32",
         "--disable-tqdm", "--seed", "0",
