@@ -4,6 +4,7 @@ from __future__ import annotations
 
 SAFETENSORS_SINGLE_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+VERIFICATION_NAME = "verification.json"  # qkmap verify's report inside a model folder
 # Names of pickle-based checkpoint formats; content is checked too (qkmap_hf.safety.pickle_reason), whatever the name.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib", ".dill")
 # Tokenizer and chat-template files: copied beside converted weights, and their presence means "has a tokenizer".
@@ -20,4 +21,10 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 
-__all__ = ["PICKLE_SUFFIXES", "SAFETENSORS_INDEX_NAME", "SAFETENSORS_SINGLE_NAME", "TOKENIZER_FILES"]
+__all__ = [
+    "PICKLE_SUFFIXES",
+    "SAFETENSORS_INDEX_NAME",
+    "SAFETENSORS_SINGLE_NAME",
+    "TOKENIZER_FILES",
+    "VERIFICATION_NAME",
+]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .fileio import atomic_write_text
+from .filenames import VERIFICATION_NAME
 from .phases import PhaseRecorder
 
 
@@ -228,7 +229,7 @@ def verify_conversion(
     )
     if save_to is not None:
         target = Path(save_to)
-        report.save(target / "verification.json" if target.is_dir() else target)
+        report.save(target / VERIFICATION_NAME if target.is_dir() else target)
     return report
 
 

@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..filenames import VERIFICATION_NAME
     from ..verify import verify_conversion
     from .paths import require_path
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(report.table())
     if not args.no_save:
-        path = report.save(args.json or Path(args.dst) / "verification.json")
+        path = report.save(args.json or Path(args.dst) / VERIFICATION_NAME)
         print(f"wrote {path}")
     if report.non_finite():
         raise ValueError(

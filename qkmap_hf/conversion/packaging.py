@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..filenames import VERIFICATION_NAME
 from ..provenance import PROVENANCE_FILES, ConversionRecord
 from .api import ConversionResult, convert_to_folder
 from .errors import ConversionError
@@ -21,7 +22,6 @@ from .options import DEFAULT_OMEGA0, ConversionOptions
 from .sources import DEFAULT_MAX_SHARD_BYTES, ResolvedSource, looks_like_repo_id, resolve_source
 
 PROVENANCE_NAME = PROVENANCE_FILES["conversion"]
-VERIFICATION_NAME = "verification.json"
 
 
 def conversion_provenance(result: ConversionResult, base_model: str | None = None) -> ConversionRecord:

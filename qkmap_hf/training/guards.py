@@ -19,10 +19,11 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..fileio import atomic_write_json
+from ..filenames import SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
 
 COMPLETION_FILE = "qkmap_checkpoint_complete.json"
 TRAINER_STATE_FILE = "trainer_state.json"
-OUTPUT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json", "README.md")
+OUTPUT_FILES = ("config.json", SAFETENSORS_SINGLE_NAME, SAFETENSORS_INDEX_NAME, "tokenizer.json", "README.md")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
