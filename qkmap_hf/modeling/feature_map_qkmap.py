@@ -13,25 +13,24 @@ from __future__ import annotations
 import torch
 
 
-def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjoint: bool) -> None:
-    """Llama's RoPE ``x * cos + rotate_half(x) * sin`` on the last dimension (or its adjoint), in place.
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjoint: bool) -> None:
+    """``out = x * cos + rotate_half(x) * sin`` (Llama's RoPE on the last dimension), or its adjoint.
 
-    On the two halves, with a fused multiply-add per half and one half-size copy: forward
-    ``(x1 c1 - x2 s1, x2 c2 + x1 s2)``, adjoint ``(x1 c1 + x2 s2, x2 c2 - x1 s1)``. In place because on a CPU
-    a fresh buffer costs a page fault per 4 KiB on first touch, about as much as the arithmetic.
+    On the two halves, with one multiply and one fused multiply-add per half written straight into ``out`` (a
+    strided view of the feature buffer): forward ``(x1 c1 - x2 s1, x2 c2 + x1 s2)``, adjoint
+    ``(x1 c1 + x2 s2, x2 c2 - x1 s1)``. ``x`` is only read, so it needs no copy of its first half.
     """
     x1, x2 = x.chunk(2, dim=-1)
+    out1, out2 = out.chunk(2, dim=-1)
     cos1, cos2 = cos.chunk(2, dim=-1)
     sin1, sin2 = sin.chunk(2, dim=-1)
-    first = x1.clone()
-    x1.mul_(cos1).addcmul_(x2, sin2 if adjoint else sin1, value=1 if adjoint else -1)
-    x2.mul_(cos2).addcmul_(first, sin1 if adjoint else sin2, value=-1 if adjoint else 1)
-
-
-def _rotate_blocks_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_cos_blocks: bool, adjoint: bool):
-    """RoPE (or its adjoint) in place per block of ``x`` shaped ``(..., F, 2, m)``; cos blocks only if asked."""
-    _rotate_(x if rotate_cos_blocks else x.narrow(-2, 1, 1), cos, sin, adjoint)
-    return x
+    sign = 1 if adjoint else -1
+    if torch.compiler.is_compiling():  # dynamo takes no strided ``out=``; inductor fuses the plain form anyway
+        out1.copy_(x1 * cos1 + sign * x2 * (sin2 if adjoint else sin1))
+        out2.copy_(x2 * cos2 - sign * x1 * (sin1 if adjoint else sin2))
+        return
+    torch.mul(x1, cos1, out=out1).addcmul_(x2, sin2 if adjoint else sin1, value=sign)
+    torch.mul(x2, cos2, out=out2).addcmul_(x1, sin1 if adjoint else sin2, value=-sign)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -40,10 +39,12 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Layout:
-    """Views that broadcast to ``(batch, seq, kv_heads, groups, F, 2, m)`` in the compute dtype.
+    """Views that broadcast to ``(batch, seq, kv_heads, groups, F, m)`` (one half: cos or sin) in the compute dtype.
 
     Token-major, like the projections the model feeds in (``q_proj(x).view(b, t, h, m).transpose(1, 2)``), so
-    every elementwise pass walks memory in order; the output is handed back as a ``(batch, heads, seq, 2F*m)``
+    every elementwise pass walks memory in order. cos and sin of the phases live in two contiguous buffers (a
+    strided ``cos_``/``sin_`` over interleaved slots took twice as long here); only the rotation writes the
+    interleaved ``(..., F, 2, m)`` feature rows. The output is handed back as a ``(batch, heads, seq, 2F*m)``
     view, as Llama's RoPE output is.
     """
 
@@ -54,6 +55,7 @@ class _Layout:
         # float32 at least (docs/method.md: a bf16 phase of magnitude 100 is off by 0.5 rad); float64 stays.
         self.dtype = torch.promote_types(z.dtype, torch.float32)
         self.table_batch = cos.shape[0]
+        self.device = z.device
 
     def z(self, z: torch.Tensor) -> torch.Tensor:
         return _cast(z.transpose(1, 2), self.dtype).view(self.batch, self.seq, self.kv_heads, self.groups, 1, self.m)
@@ -61,29 +63,29 @@ class _Layout:
     def frequency(self, frequency: torch.Tensor) -> torch.Tensor:
         return _cast(frequency, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, self.freq_width)
 
-    def gain(self, gain: torch.Tensor) -> torch.Tensor:
-        return _cast(gain, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
+    def gain(self, gain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos-row and sin-row gains, each ``(1, 1, kv_heads, 1, F, m)``."""
+        rows = _cast(gain, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
+        return rows.select(-2, 0), rows.select(-2, 1)
 
     def table(self, table: torch.Tensor) -> torch.Tensor:
-        return _cast(table, self.dtype).view(self.table_batch, self.seq, 1, 1, 1, 1, self.m)
+        return _cast(table, self.dtype).view(self.table_batch, self.seq, 1, 1, 1, self.m)
 
-    def blocks(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of a ``(batch, heads, seq, 2F*m)`` gradient as ``(..., F, 2, m)`` blocks."""
-        shape = (self.batch, self.seq, self.kv_heads, self.groups, self.num_freq, 2, self.m)
-        blocks = torch.empty(shape, dtype=self.dtype, device=tensor.device)  # ours to modify in place
-        blocks.view(self.batch, self.seq, self.heads, -1).copy_(tensor.transpose(1, 2))
-        return blocks
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A ``(batch, heads, seq, 2F*m)`` tensor seen (no copy) as ``(batch, seq, kv_heads, groups, F, 2, m)``."""
+        rows = tensor.transpose(1, 2).unflatten(2, (self.kv_heads, self.groups))
+        return rows.unflatten(-1, (self.num_freq, 2, self.m))
 
-    def trig(self, z: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-        """``(cos(omega z), sin(omega z))`` per frequency block, ``(batch, seq, kv_heads, groups, F, 2, m)``."""
-        # The phase written twice, into the cos and the sin slot, then cos/sin in place: one fresh buffer.
-        z = _cast(z.transpose(1, 2), self.dtype).view(self.batch, self.seq, self.kv_heads, self.groups, 1, 1, self.m)
-        shape = (1, 1, self.kv_heads, 1, self.num_freq, 2, self.freq_width)
-        frequency = _cast(frequency, self.dtype).view(*shape[:-2], 1, shape[-1]).expand(shape)
-        trig = z * frequency
-        trig.select(-2, 0).cos_()
-        trig.select(-2, 1).sin_()
-        return trig
+    def empty_rows(self) -> torch.Tensor:
+        return torch.empty(
+            (self.batch, self.seq, self.kv_heads, self.groups, self.num_freq, 2, self.m),
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+
+    def trig(self, z: torch.Tensor, frequency: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos(omega z)`` and ``sin(omega z)`` per frequency block, each ``(batch, seq, kv_heads, groups, F, m)``."""
+        phase = self.z(z) * self.frequency(frequency)
+        return phase.cos(), phase.sin_()
 
     def output(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         width = 2 * self.num_freq * self.m
@@ -94,11 +96,26 @@ class _Layout:
         return tensor.reshape(self.batch, self.seq, self.heads, self.m).transpose(1, 2)
 
 
+def _rotate_rows_into(out, cos_rows, sin_rows, table_cos, table_sin, rotate_cos_blocks: bool, adjoint: bool):
+    """RoPE (or its adjoint) of the cos and sin rows into the two slots of ``out``; cos rows only if asked."""
+    _rotate_into(out.select(-2, 1), sin_rows, table_cos, table_sin, adjoint)
+    if rotate_cos_blocks:
+        _rotate_into(out.select(-2, 0), cos_rows, table_cos, table_sin, adjoint)
+    else:
+        out.select(-2, 0).copy_(cos_rows)
+    return out
+
+
 def _features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -> torch.Tensor:
     """The forward pass of ``phi`` (no autograd node): see ``qkmap_features``."""
     layout = _Layout(z, frequency, cos)
-    features = layout.trig(z, frequency).mul_(layout.gain(gain))
-    features = _rotate_blocks_(features, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
+    cosines, sines = layout.trig(z, frequency)
+    cos_gain, sin_gain = layout.gain(gain)
+    cosines.mul_(cos_gain)
+    sines.mul_(sin_gain)
+    features = _rotate_rows_into(
+        layout.empty_rows(), cosines, sines, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False
+    )
     return layout.output(features, z.dtype)
 
 
@@ -110,28 +127,38 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
     need_z, need_frequency, need_gain, need_cos, need_sin = needs
     layout = _Layout(z, frequency, cos)
     table_cos, table_sin = layout.table(cos), layout.table(sin)
-    grad = layout.blocks(grad_output)
-    trig = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
+    incoming = layout.rows(grad_output)
+    cosines, sines = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
+    cos_gain, sin_gain = layout.gain(gain)
     grad_cos = grad_sin = None
-    if need_cos or need_sin:  # out = u cos + rotate_half(u) sin on the rotated blocks, u = gain * trig
+    if need_cos or need_sin:  # out = u cos + rotate_half(u) sin on the rotated rows, u = gain * trig
         rotated = slice(None) if rotate_cos_blocks else slice(1, None)
-        features = (trig * layout.gain(gain))[..., rotated, :]
-        grad_rotated = grad[..., rotated, :]
+        features = torch.stack((cosines * cos_gain, sines * sin_gain), dim=-2)[..., rotated, :]
+        grad_rotated = incoming[..., rotated, :]
+        shape = table_cos.unsqueeze(-2).shape
         if need_cos:
-            grad_cos = (grad_rotated * features).sum_to_size(table_cos.shape).view(cos.shape).to(cos.dtype)
+            grad_cos = (grad_rotated * features).sum_to_size(shape).view(cos.shape).to(cos.dtype)
         if need_sin:
             first, second = features.chunk(2, dim=-1)
             half_turn = torch.cat((-second, first), dim=-1)  # rotate_half
-            grad_sin = (grad_rotated * half_turn).sum_to_size(table_sin.shape).view(sin.shape).to(sin.dtype)
-    # Through the rotation (orthogonal and linear): d features = R^T grad.
-    grad = _rotate_blocks_(grad, table_cos, table_sin, rotate_cos_blocks, adjoint=True)
+            grad_sin = (grad_rotated * half_turn).sum_to_size(shape).view(sin.shape).to(sin.dtype)
+    # Through the rotation (orthogonal and linear): d features = R^T grad, read from sdpa's head-major gradient
+    # and written token-major, cos rows and sin rows each into a contiguous half of one buffer.
+    grad = torch.empty((2, *cosines.shape), dtype=layout.dtype, device=layout.device)
+    grad_cos_rows, grad_sin_rows = grad[0], grad[1]
+    _rotate_into(grad_sin_rows, incoming.select(-2, 1), table_cos, table_sin, adjoint=True)
+    if rotate_cos_blocks:
+        _rotate_into(grad_cos_rows, incoming.select(-2, 0), table_cos, table_sin, adjoint=True)
+    else:
+        grad_cos_rows.copy_(incoming.select(-2, 0))
     grad_z = grad_frequency = grad_gain = None
+    if need_gain:
+        dims = (0, 1, 3)  # what the gains broadcast across: batch, positions, the query heads of a group
+        grad_gain = torch.stack(((grad_cos_rows * cosines).sum(dim=dims), (grad_sin_rows * sines).sum(dim=dims)), -2)
+        grad_gain = grad_gain.view(gain.shape).to(gain.dtype)
     if need_z or need_frequency:
         # d/dphase of (a cos(phase), b sin(phase)) = (-a sin(phase), b cos(phase)).
-        gain_blocks = layout.gain(gain)
-        grad_phase = (grad.select(-2, 1) * trig.select(-2, 0)).mul_(gain_blocks.select(-2, 1))
-        grad_phase.sub_((grad.select(-2, 0) * trig.select(-2, 1)).mul_(gain_blocks.select(-2, 0)))
-        # Reduce over what the parameters broadcast across: batch, positions, the query heads of a group.
+        grad_phase = grad_sin_rows.mul_(cosines).mul_(sin_gain).addcmul_(grad_cos_rows.mul_(sines), cos_gain, value=-1)
         if need_frequency:
             grad_frequency = (grad_phase * layout.z(z)).sum_to_size(layout.frequency(frequency).shape)
             grad_frequency = grad_frequency.view(frequency.shape).to(frequency.dtype)
@@ -139,8 +166,6 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
             grad_z = grad_phase.mul_(layout.frequency(frequency))
             grad_z = grad_z.squeeze(-2) if layout.num_freq == 1 else grad_z.sum(dim=-2)
             grad_z = layout.unblock(grad_z).to(z.dtype)
-    if need_gain:
-        grad_gain = trig.mul_(grad).sum(dim=(0, 1, 3)).view(gain.shape).to(gain.dtype)
     return grad_z, grad_frequency, grad_gain, grad_cos, grad_sin
 
 
