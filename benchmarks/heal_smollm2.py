@@ -229,9 +229,9 @@ VARIANT_KEYS = {"alpha": ("alpha", float), "kl": ("kl_weight", float), "klend": 
 
 def heal_options_for(arm: str, args: argparse.Namespace, teacher: str) -> HealOptions:
     """``heal`` with the command's settings, or a variant such as ``heal-alpha=0.6-kl=0`` (keys: VARIANT_KEYS)."""
-    values = {"alpha": args.alpha, "kl_weight": args.kl_weight, "switch_on_key_gain": args.switch_on_key_gain}
-    if args.cos_share is not None:
-        values["cos_share"] = args.cos_share
+    given = {"alpha": args.alpha, "kl_weight": args.kl_weight, "switch_on_key_gain": args.switch_on_key_gain,
+             "cos_share": args.cos_share}  # fmt: skip
+    values = {name: value for name, value in given.items() if value is not None}  # None: HealOptions' default
     for part in arm.split("-")[1:]:
         key, _, text = part.partition("=")
         if key not in VARIANT_KEYS:
@@ -249,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=5e-5)
     parser.add_argument("--qkmap-learning-rate", type=float, default=5e-3)
-    parser.add_argument("--alpha", type=float, default=1.2)
-    parser.add_argument("--kl-weight", type=float, default=1.0)
-    parser.add_argument("--switch-on-key-gain", type=float, default=0.3)
+    parser.add_argument("--alpha", type=float, help="default: HealOptions' default")
+    parser.add_argument("--kl-weight", type=float, help="default: HealOptions' default")
+    parser.add_argument("--switch-on-key-gain", type=float, help="default: HealOptions' default")
     parser.add_argument("--cos-share", type=float, help="default: HealOptions' default")
     parser.add_argument("--eval-steps", type=int, default=25)
     parser.add_argument("--save-steps", type=int, default=50)

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 submitted.add(key)
                 if read_result(out, job) is None:
                     running[pool.submit(run_one, job, shared)] = key
-                    print(f"[heal-tuned] started {key}", flush=True)
+                    print(f"[heal-tuned] queued {key}", flush=True)
             pending = []
             if not running:
                 break
