@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, TypeVar
@@ -135,4 +136,33 @@ def make_parser(dataclass_types: tuple[type, ...], **kwargs) -> argparse.Argumen
     parser = HfArgumentParser(dataclass_types, **kwargs)
     for action in parser._actions:  # usage and help show the dashed spelling first (--max-steps, not --max_steps)
         action.option_strings.sort(key=lambda option: "_" in option)
+    switches = {o for a in parser._actions if a.nargs == "?" and a.const is True for o in a.option_strings}
+    parse_known_args = parser.parse_known_args
+
+    def parse_switches_first(args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return parse_known_args(bare_switches_as_true(args, switches), namespace)
+
+    parser.parse_known_args = parse_switches_first  # subcommands parse through it too
     return parser
+
+
+# The words transformers' ``string_to_bool`` takes for a boolean field's value.
+BOOLEAN_WORDS = frozenset({"yes", "no", "true", "false", "t", "f", "y", "n", "1", "0"})
+
+
+def bare_switches_as_true(args: list[str], switches: set[str]) -> list[str]:
+    """``--lora CONVERTED`` as ``--lora=true CONVERTED``: a boolean flag takes the next word only if it is a boolean.
+
+    ``HfArgumentParser`` gives boolean fields an optional value (``--lora``, ``--lora true``), so argparse would
+    read the positional after a bare switch as the switch's value and fail on it.
+    """
+    rewritten = []
+    for index, arg in enumerate(args):
+        following = args[index + 1] if index + 1 < len(args) else None
+        if arg == "--":
+            return rewritten + args[index:]
+        if arg in switches and (following is None or following.lower() not in BOOLEAN_WORDS):
+            arg = f"{arg}=true"
+        rewritten.append(arg)
+    return rewritten

@@ -60,6 +60,15 @@ def test_resume_takes_an_optional_folder_and_bools_take_yes_no():
     assert (args.resume, args.disable_tqdm, args.fsdp, args.eval_on_start) == ("o/checkpoint-6", True, False, False)
 
 
+def test_a_bare_switch_before_a_positional_leaves_the_positional_alone():
+    args = _parse("heal", ["--lora", "conv", "--teacher", "src", "--data", "d", "--output-dir", "o", "--disable-tqdm"])
+    assert (args.converted, args.lora, args.disable_tqdm) == ("conv", True, True)
+    args = _parse("heal", ["--lora", "no", "conv", "--teacher", "src", "--data", "d", "--output-dir", "o"])
+    assert (args.converted, args.lora) == ("conv", False)
+    args = _parse("heal", ["--lora=false", "conv", "--teacher", "src", "--data", "d", "--output-dir", "o"])
+    assert (args.converted, args.lora) == ("conv", False)
+
+
 def test_heal_flags_fill_both_option_classes():
     args = _parse("heal", [
         "conv", "--teacher", "src", "--data", "d", "--output-dir", "o", "--phase-ramp", "0:0.3",
