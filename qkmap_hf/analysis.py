@@ -209,18 +209,6 @@ def first_token_mass(baseline: list[torch.Tensor], first_is_bos: bool) -> dict:
     }
 
 
-def _needle_ids(tokenizer, example) -> tuple[list[int], list[str]]:
-    """Token ids of a needle prompt segment by segment, and the kind of every position."""
-    bos = prepended_bos_id(tokenizer)
-    ids: list[int] = [bos] if bos is not None else []
-    kinds: list[str] = ["bos"] if bos is not None else []
-    for kind, text in example.segments:
-        piece = tokenizer(text, add_special_tokens=False).input_ids
-        ids += piece
-        kinds += [kind] * len(piece)
-    return ids, kinds
-
-
 def evidence_contrast(
     model, layers, tokenizer, settings: AnalysisSettings, max_positions: int | None, progress
 ) -> dict:
@@ -243,10 +231,13 @@ def evidence_contrast(
         )
         lifts, masses, token_counts = [], [], []
         for example in examples:
-            ids, kinds = _needle_ids(tokenizer, example)
-            if max_positions is not None and len(ids) > max_positions:
-                ids, kinds = ids[:max_positions], kinds[:max_positions]  # never cuts evidence: it precedes the cut
-            evidence = torch.tensor([k == "evidence" for k in kinds])
+            try:  # a prompt over the model's length loses distractors from its start: the question stays
+                ids, kinds = probes.needle_prompt_ids(tokenizer, example, max_positions)
+            except ValueError as error:  # the evidence sits too early to cut the prompt to the model's length
+                skipped.append({"length": length, "depth": example.depth, "reason": str(error)})
+                progress(1)
+                continue
+            evidence = torch.tensor([k in ("evidence", "value") for k in kinds])
             distractor = torch.tensor([k == "distractor" for k in kinds])
             distractor[0] = False
             question = torch.tensor([k == "question" for k in kinds]).nonzero().flatten()
@@ -267,6 +258,8 @@ def evidence_contrast(
             masses.append(layer_mass)
             token_counts.append(len(ids))
             progress(1)
+        if not lifts:
+            continue
         lift_mean = _average(lifts)
         mass_mean = _average(masses)
         by_length[str(length)] = {

@@ -167,7 +167,7 @@ def key_scale_sensitivity(
     }
 
 
-def _prompt_ids(tokenizer, example, max_positions: int | None) -> tuple[list[int], list[str]]:
+def needle_prompt_ids(tokenizer, example, max_positions: int | None) -> tuple[list[int], list[str]]:
     """Token ids and kinds (bos/distractor/evidence/value/question); the value digits split out of the evidence.
 
     A prompt longer than ``max_positions`` loses distractor tokens from its start, so the answer position and
@@ -232,7 +232,7 @@ def answer_value_contrast(
         lifts, masses, sizes = [], [], []
         for example in make_needle_examples(length, examples, seed=seed, count=count, depths=depths):
             try:
-                ids, kinds = _prompt_ids(tokenizer, example, max_positions)
+                ids, kinds = needle_prompt_ids(tokenizer, example, max_positions)
             except ValueError as error:  # the evidence sits too early to cut the prompt to the model's length
                 skipped.append({"length": length, "depth": example.depth, "reason": str(error)})
                 progress(1)
@@ -276,4 +276,4 @@ def answer_value_contrast(
     }
 
 
-__all__ = ["answer_value_contrast", "key_positions", "key_scale_sensitivity", "pattern_measures"]
+__all__ = ["answer_value_contrast", "key_positions", "key_scale_sensitivity", "needle_prompt_ids", "pattern_measures"]

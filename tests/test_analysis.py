@@ -155,3 +155,36 @@ def test_summary_line_reports_every_measure_from_the_json(analysis):
     assert f"gain {entry['key_scale_sensitivity']['mean_gain']:+.4f}" in line
     assert "answer log2 lift" in line and line.endswith(f"phase regime: {entry['phase']['regime']}")
     assert "phase regime" not in summary_line(analysis["by_mode"]["standard"])
+
+
+def test_evidence_contrast_cuts_a_long_prompt_from_the_start_so_the_question_stays(monkeypatch):
+    """A prompt over the model's length loses distractors at its start; cut at its end it would lose question tokens."""
+    import math
+
+    from qkmap_hf import analysis as analysis_module
+    from qkmap_hf.analysis import attention_layers, evidence_contrast
+    from qkmap_hf.training.data import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompts: list[list[int]] = []
+    forward = analysis_module.forward_without_cache
+    monkeypatch.setattr(
+        analysis_module, "forward_without_cache", lambda m, ids: (prompts.append(ids[0].tolist()), forward(m, ids))[1]
+    )
+    settings = AnalysisSettings(max_tokens=64, num_windows=1, context_lengths=(200,), needle_examples=2, scales=(2.0,))
+    layers = attention_layers(model)
+    evidence_contrast(model, layers, tokenizer, settings, None, lambda n: None)
+    full, prompts[:] = list(prompts), []
+    assert all(len(p) > 200 for p in full)  # the prompt template adds tokens to the requested length
+    cut = evidence_contrast(model, layers, tokenizer, settings, 200, lambda n: None)["by_length"]["200"]
+    assert [len(p) for p in prompts] == [200, 200]
+    assert all(short == long[-200:] for short, long in zip(prompts, full, strict=True))  # the end, question included
+    lifts = [v for row in cut["per_head_log2_lift"] for v in row]
+    assert all(math.isfinite(v) for v in lifts) and 0 < cut["mean_evidence_mass"] < 1

@@ -7,7 +7,7 @@ import torch
 
 from qkmap_hf.analysis import AnalysisSettings, analyze_model, first_token_mass
 from qkmap_hf.attention_measures import attention_distance, log2_lift, position_only_share, token_mass_change
-from qkmap_hf.attention_probes import _prompt_ids, key_positions
+from qkmap_hf.attention_probes import key_positions, needle_prompt_ids
 from qkmap_hf.tasks.needle import make_needle_examples
 from qkmap_hf.training.data import byte_level_tokenizer
 from qkmap_hf.training.presets import preset_config
@@ -88,18 +88,18 @@ def test_first_token_mass_known_pattern():
     assert result["per_head"] == [[1.0, 0.0]]
 
 
-def test_prompt_ids_mark_the_value_and_keep_the_answer_position():
+def testneedle_prompt_ids_mark_the_value_and_keep_the_answer_position():
     tokenizer = byte_level_tokenizer()
     example = make_needle_examples(300, 1, seed=0, count=lambda s: len(s.encode()), depths=[0.9])[0]
-    ids, kinds = _prompt_ids(tokenizer, example, max_positions=None)
+    ids, kinds = needle_prompt_ids(tokenizer, example, max_positions=None)
     value = bytes(i for i, k in zip(ids, kinds, strict=True) if k == "value").decode()
     assert value == example.answer and kinds[-1] == "question"
-    short, short_kinds = _prompt_ids(tokenizer, example, max_positions=200)
+    short, short_kinds = needle_prompt_ids(tokenizer, example, max_positions=200)
     assert len(short) == 200 and short[-40:] == ids[-40:]  # cut from the start: the question stays
     assert short_kinds.count("value") == 4
     early = make_needle_examples(300, 1, seed=0, count=lambda s: len(s.encode()), depths=[0.0])[0]
     with pytest.raises(ValueError, match="without losing evidence"):
-        _prompt_ids(tokenizer, early, max_positions=100)
+        needle_prompt_ids(tokenizer, early, max_positions=100)
     assert key_positions(256) == sorted(set(key_positions(256))) and max(key_positions(256)) <= 128
 
 
