@@ -108,21 +108,38 @@ def measure(args: argparse.Namespace) -> list[dict]:
             if seq_len <= args.max_train_len:
                 saved, distinct = saved_activation_bytes(model, ids)
                 rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes", value=saved, repeat=0))
-                rows.append(dict(variant=name, seq_len=seq_len, metric="distinct_activation_bytes", value=distinct,
-                                 repeat=0))
+                rows.append(
+                    dict(variant=name, seq_len=seq_len, metric="distinct_activation_bytes", value=distinct, repeat=0)
+                )
         for repeat in range(args.repeats):
             for name, model in models.items():
                 with torch.no_grad():
                     seconds = timed(lambda model=model, ids=ids: model(ids), args.device)
-                rows.append(dict(variant=name, seq_len=seq_len, metric="forward_tokens_per_s",
-                                 value=ids.numel() / seconds, repeat=repeat))
+                rows.append(
+                    dict(
+                        variant=name,
+                        seq_len=seq_len,
+                        metric="forward_tokens_per_s",
+                        value=ids.numel() / seconds,
+                        repeat=repeat,
+                    )
+                )
                 if seq_len <= args.max_train_len:
+
                     def step(model=model, ids=ids):
                         model(ids, labels=ids).loss.backward()
+
                     seconds = timed(step, args.device)
                     model.zero_grad(set_to_none=True)
-                    rows.append(dict(variant=name, seq_len=seq_len, metric="train_tokens_per_s",
-                                     value=ids.numel() / seconds, repeat=repeat))
+                    rows.append(
+                        dict(
+                            variant=name,
+                            seq_len=seq_len,
+                            metric="train_tokens_per_s",
+                            value=ids.numel() / seconds,
+                            repeat=repeat,
+                        )
+                    )
             print(f"[bench] T={seq_len} repeat {repeat + 1}/{args.repeats}", file=sys.stderr, flush=True)
 
     prompt = torch.randint(0, MODEL_SIZE["vocab_size"], (1, args.prefill_len), device=args.device)
@@ -141,8 +158,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 result = out["result"]
                 caches[name] = result.cache if hasattr(result, "cache") else result.past_key_values
                 tokens[name] = result.logits[:, -1:].argmax(-1)
-                rows.append(dict(variant=name, seq_len=args.prefill_len, metric="prefill_ms",
-                                 value=prefill_seconds * 1e3, repeat=repeat))
+                rows.append(
+                    dict(
+                        variant=name,
+                        seq_len=args.prefill_len,
+                        metric="prefill_ms",
+                        value=prefill_seconds * 1e3,
+                        repeat=repeat,
+                    )
+                )
             for _ in range(args.decode_tokens):
                 for name, model in models.items():
                     out = {}
@@ -153,11 +177,25 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     steps[name].append(timed(decode, args.device))
                     tokens[name] = out["step"].logits[:, -1:].argmax(-1)
         for name in models:
-            rows.append(dict(variant=name, seq_len=args.prefill_len, metric="decode_ms_per_token",
-                             value=statistics.median(steps[name]) * 1e3, repeat=repeat))
+            rows.append(
+                dict(
+                    variant=name,
+                    seq_len=args.prefill_len,
+                    metric="decode_ms_per_token",
+                    value=statistics.median(steps[name]) * 1e3,
+                    repeat=repeat,
+                )
+            )
             if repeat == 0:
-                rows.append(dict(variant=name, seq_len=args.prefill_len + args.decode_tokens, metric="kv_cache_bytes",
-                                 value=kv_cache_bytes(caches[name]), repeat=0))
+                rows.append(
+                    dict(
+                        variant=name,
+                        seq_len=args.prefill_len + args.decode_tokens,
+                        metric="kv_cache_bytes",
+                        value=kv_cache_bytes(caches[name]),
+                        repeat=0,
+                    )
+                )
     return rows
 
 
@@ -173,13 +211,18 @@ def ratios(rows: list[dict]) -> list[dict]:
     for (metric, seq_len), by_variant in sorted(grouped.items()):
         base = by_variant["standard"]
         for variant, values in by_variant.items():
-            per_repeat = [
-                (b / v if metric in HIGHER_IS_BETTER else v / b) for v, b in zip(values, base, strict=False)
-            ]
-            summary.append(dict(metric=metric, seq_len=seq_len, variant=variant,
-                                median=statistics.median(values),
-                                cost_ratio=statistics.median(per_repeat),
-                                ratio_min=min(per_repeat), ratio_max=max(per_repeat)))
+            per_repeat = [(b / v if metric in HIGHER_IS_BETTER else v / b) for v, b in zip(values, base, strict=False)]
+            summary.append(
+                dict(
+                    metric=metric,
+                    seq_len=seq_len,
+                    variant=variant,
+                    median=statistics.median(values),
+                    cost_ratio=statistics.median(per_repeat),
+                    ratio_min=min(per_repeat),
+                    ratio_max=max(per_repeat),
+                )
+            )
     return summary
 
 
@@ -244,8 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                        help="variants to time (standard, the reference of every ratio, is always included)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="variants to time (standard, the reference of every ratio, is always included)",
+    )
     args = parser.parse_args(argv)
     args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
     if args.threads:
@@ -262,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(summary)
     plot(summary, args.output_dir)
-    header = (f"device={args.device} dtype={args.dtype} attn={args.attn} batch={args.batch} repeats={args.repeats} "
-              f"threads={torch.get_num_threads()} torch={torch.__version__} qkmap_hf={qkmap_hf.__version__}")
+    header = (
+        f"device={args.device} dtype={args.dtype} attn={args.attn} batch={args.batch} repeats={args.repeats} "
+        f"threads={torch.get_num_threads()} torch={torch.__version__} qkmap_hf={qkmap_hf.__version__}"
+    )
     print(header)
     print(markdown(summary))
     return 0

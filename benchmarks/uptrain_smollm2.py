@@ -55,7 +55,9 @@ def plot(rows: list[dict], arms: list[str], path: Path) -> None:
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for arm in arms:
-        points = [(int(r["step"]), float(r["perplexity"])) for r in rows if r["arm"] == arm and r["split"] == "validation"]
+        points = [
+            (int(r["step"]), float(r["perplexity"])) for r in rows if r["arm"] == arm and r["split"] == "validation"
+        ]
         axis.plot(*zip(*points, strict=True), marker="o", label=arm)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("held-out perplexity")
@@ -121,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         for h in result.log_history:
             for key, split in (("loss", "train"), ("eval_loss", "validation")):
                 if key in h:
-                    rows.append({"arm": arm, "step": h["step"], "split": split, "loss": h[key], "perplexity": math.exp(h[key])})
+                    rows.append(
+                        {"arm": arm, "step": h["step"], "split": split, "loss": h[key], "perplexity": math.exp(h[key])}
+                    )
         evals = [h for h in result.log_history if "eval_loss" in h]
         finals[arm] = {
             "start_eval_loss": evals[0]["eval_loss"],
@@ -136,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             writer = csv.DictWriter(handle, fieldnames=["arm", "step", "split", "loss", "perplexity"])
             writer.writeheader()
             writer.writerows(rows)
-        (out / "uptrain.json").write_text(json.dumps({"settings": vars(args), "data": datasets[2].to_dict() | {"sources": len(files)},
-                                                      "arms": finals}, indent=2) + "\n")
+        (out / "uptrain.json").write_text(
+            json.dumps(
+                {"settings": vars(args), "data": datasets[2].to_dict() | {"sources": len(files)}, "arms": finals},
+                indent=2,
+            )
+            + "\n"
+        )
         print(arm, finals[arm], flush=True)
 
     plot(rows, args.arms, out / "uptrain.png")

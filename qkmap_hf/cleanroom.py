@@ -46,7 +46,11 @@ def run_without_qkmap_hf(
     with tempfile.TemporaryDirectory(prefix="qkmap-cleanroom-") as scratch:
         full_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         full_env.update(
-            {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(scratch) / "modules"), "TOKENIZERS_PARALLELISM": "false"}
+            {
+                "HF_HUB_OFFLINE": "1",
+                "HF_MODULES_CACHE": str(Path(scratch) / "modules"),
+                "TOKENIZERS_PARALLELISM": "false",
+            }
         )
         full_env.update(env or {})
         return subprocess.run(

@@ -15,8 +15,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import qkmap_hf
 
-KW = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, eos_token_id=None)
+KW = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    eos_token_id=None,
+)
 
 
 def main() -> None:
@@ -33,8 +40,9 @@ def main() -> None:
         with torch.no_grad():
             cached = model.generate(x[:1, :5], max_new_tokens=12, do_sample=False, pad_token_id=0)
             uncached = model.generate(x[:1, :5], max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=False)
-            static = model.generate(x[:1, :5], max_new_tokens=12, do_sample=False, pad_token_id=0,
-                                    cache_implementation="static")
+            static = model.generate(
+                x[:1, :5], max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static"
+            )
             report[f"{mode}_cache_equal"] = bool(torch.equal(cached, uncached) and torch.equal(cached, static))
             with tempfile.TemporaryDirectory() as folder:
                 model.save_pretrained(folder)

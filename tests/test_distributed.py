@@ -56,7 +56,17 @@ def test_two_process_ddp_matches_one_process_on_the_same_global_batch(corpus, tm
     common = ["--model", "tiny", "--data", str(corpus), "--max-steps", "6", "--logging-steps", "1", "--eval-steps", "3",
               "--max-eval-blocks", "16", "--save-steps", "0", "--disable-tqdm"]  # fmt: skip
     _run(
-        [sys.executable, "-m", "qkmap_hf", "train", *common, "--batch-size", "8", "--output-dir", str(tmp_path / "one")],
+        [
+            sys.executable,
+            "-m",
+            "qkmap_hf",
+            "train",
+            *common,
+            "--batch-size",
+            "8",
+            "--output-dir",
+            str(tmp_path / "one"),
+        ],
         tmp_path,
     )
     _run(

@@ -52,7 +52,12 @@ def test_presets_have_paper_sizes_and_modes_share_shapes():
 
     small = {mode: preset_config("small-cpu", mode) for mode in QK_MODES}
     for config in small.values():  # the prototype's shape
-        assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim) == (4, 256, 4, 64)
+        assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim) == (
+            4,
+            256,
+            4,
+            64,
+        )
     standard = count_parameters(small["standard"])
     # QK-Norm adds two head_dim weights per layer; QK-MAP (m = head_dim, F = 1) adds omega (m) and 2 x (2 x m) gains
     # per key/value head per layer.
@@ -95,7 +100,9 @@ def test_text_jsonl_and_saved_dataset_sources_pack_and_split(tmp_path):
 
     tokenizer = byte_level_tokenizer()
     sources = [tmp_path / "folder", tmp_path / "docs.jsonl", tmp_path / "saved"]
-    train_set, eval_set, stats = build_datasets(sources, tokenizer, 32, text_field="body", eval_fraction=0.25, split_seed=3)
+    train_set, eval_set, stats = build_datasets(
+        sources, tokenizer, 32, text_field="body", eval_fraction=0.25, split_seed=3
+    )
     expected_tokens = sum(len(d.encode()) + 1 for d in documents)  # every document ends with EOS
     assert stats.tokens == expected_tokens
     assert stats.train_blocks + stats.eval_blocks == expected_tokens // 32
@@ -305,8 +312,11 @@ def test_resume_continues_from_the_saved_step_with_the_same_losses(corpus, tmp_p
         assert resumed_losses[step] == pytest.approx(full_losses[step], abs=1e-6)
     assert full_losses[8] < full_losses[1]
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        train(TrainOptions(model="tiny", data=[str(corpus)], output_dir=str(tmp_path / "empty"), resume="latest",
-                           max_tokens=10_000))
+        train(
+            TrainOptions(
+                model="tiny", data=[str(corpus)], output_dir=str(tmp_path / "empty"), resume="latest", max_tokens=10_000
+            )
+        )
 
 
 @pytest.mark.slow

@@ -33,8 +33,18 @@ def oldest_transformers_site() -> Path:
     if not (target / "transformers" / "__init__.py").exists():
         staging = target.with_name(target.name + ".partial")
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(staging), "--upgrade",
-             f"transformers=={OLDEST}", "huggingface-hub>=1.5,<2"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--target",
+                str(staging),
+                "--upgrade",
+                f"transformers=={OLDEST}",
+                "huggingface-hub>=1.5,<2",
+            ],
             check=True,
         )
         staging.rename(target)
@@ -45,8 +55,14 @@ def oldest_transformers_site() -> Path:
 def test_oldest_supported_transformers_passes_the_core_checks(tmp_path):
     site = oldest_transformers_site()
     env = {**os.environ, "PYTHONPATH": str(site), "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("compat_check.py"))], env=env,
-                            capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("compat_check.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["transformers"] == OLDEST

@@ -76,7 +76,9 @@ def build_next_line(text: str, play: str, rng: random.Random) -> list[dict]:
     """Multiple choice: the line that follows four lines of a speech, against three lines from elsewhere."""
     all_speeches = speeches(text)
     pool = [(i, line) for i, (_, lines) in enumerate(all_speeches) for line in lines if len(line) >= 20]
-    candidates = [(i, s) for i, s in enumerate(all_speeches) if len(s[1]) > CONTEXT_LINES and len(s[1][CONTEXT_LINES]) >= 20]
+    candidates = [
+        (i, s) for i, s in enumerate(all_speeches) if len(s[1]) > CONTEXT_LINES and len(s[1][CONTEXT_LINES]) >= 20
+    ]
     rng.shuffle(candidates)
     items = []
     for index, (speaker, lines) in candidates[:NEXT_LINE_ITEMS_PER_PLAY]:
