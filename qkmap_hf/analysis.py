@@ -212,31 +212,18 @@ def first_token_mass(baseline: list[torch.Tensor], first_is_bos: bool) -> dict:
 def evidence_contrast(
     model, layers, tokenizer, settings: AnalysisSettings, max_positions: int | None, progress
 ) -> dict:
-    """Analysis 3: attention per evidence token over attention per distractor token, from the question tokens."""
-    from .tasks.needle import make_needle_examples
+    """Analysis 3: attention per evidence token over attention per distractor token, from the question tokens.
 
-    def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
-
+    A prompt over the model's length loses distractors from its start (``needle_prompt_ids``): the question stays.
+    """
     by_length: dict[str, dict] = {}
-    skipped = []
-    depths = [(i + 0.5) / settings.needle_examples for i in range(settings.needle_examples)]
-    for length in settings.context_lengths:
-        if max_positions is not None and length > max_positions:
-            skipped.append({"length": length, "reason": f"exceeds max_position_embeddings={max_positions}"})
-            progress(settings.needle_examples)
-            continue
-        examples = make_needle_examples(
-            length, settings.needle_examples, seed=settings.seed, count=count, depths=depths
-        )
+    skipped: list[dict] = []
+    prompts_by_length = probes.needle_prompts(
+        tokenizer, settings.context_lengths, settings.needle_examples, settings.seed, max_positions, skipped, progress
+    )
+    for length, prompts in prompts_by_length:
         lifts, masses, token_counts = [], [], []
-        for example in examples:
-            try:  # a prompt over the model's length loses distractors from its start: the question stays
-                ids, kinds = probes.needle_prompt_ids(tokenizer, example, max_positions)
-            except ValueError as error:  # the evidence sits too early to cut the prompt to the model's length
-                skipped.append({"length": length, "depth": example.depth, "reason": str(error)})
-                progress(1)
-                continue
+        for ids, kinds in prompts:
             evidence = torch.tensor([k in ("evidence", "value") for k in kinds])
             distractor = torch.tensor([k == "distractor" for k in kinds])
             distractor[0] = False
@@ -264,7 +251,7 @@ def evidence_contrast(
         mass_mean = _average(masses)
         by_length[str(length)] = {
             "tokens_mean": round(sum(token_counts) / len(token_counts)),
-            "examples": len(examples),
+            "examples": len(token_counts),
             "per_head_log2_lift": lift_mean,
             "per_head_evidence_mass": mass_mean,
             "layer_mean_log2_lift": [sum(r) / len(r) for r in lift_mean],

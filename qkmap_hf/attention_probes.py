@@ -18,7 +18,7 @@ module's inputs in ``layer.extra["inputs"]`` and its weights in ``baseline``:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +204,44 @@ def _keep_answer_row(layer, index: int, rows: list) -> Callable:
     return hook
 
 
+def needle_prompts(
+    tokenizer,
+    lengths: Sequence[int],
+    examples: int,
+    seed: int,
+    max_positions: int | None,
+    skipped: list[dict],
+    progress: Callable[[int], Any],
+) -> Iterator[tuple[int, Iterator[tuple[list[int], list[str]]]]]:
+    """Per context length, the ``(ids, kinds)`` of its needle prompts (``needle_prompt_ids``) that fit the model.
+
+    A length over ``max_positions``, or a prompt whose evidence sits too early to be cut to it, is appended to
+    ``skipped`` with the reason, and ``progress`` advances past it; the caller advances it for the prompts it runs.
+    """
+    from .tasks.needle import make_needle_examples
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def fitting(length: int) -> Iterator[tuple[list[int], list[str]]]:
+        for example in make_needle_examples(length, examples, seed=seed, count=count, depths=depths):
+            try:
+                prompt = needle_prompt_ids(tokenizer, example, max_positions)
+            except ValueError as error:  # the evidence sits too early to cut the prompt to the model's length
+                skipped.append({"length": length, "depth": example.depth, "reason": str(error)})
+                progress(1)
+                continue
+            yield prompt
+
+    depths = [(i + 0.5) / examples for i in range(examples)]
+    for length in lengths:
+        if max_positions is not None and length > max_positions:
+            skipped.append({"length": length, "reason": f"exceeds max_position_embeddings={max_positions}"})
+            progress(examples)
+            continue
+        yield length, fitting(length)
+
+
 @torch.no_grad()
 def answer_value_contrast(
     model,
@@ -216,27 +254,11 @@ def answer_value_contrast(
     progress: Callable[[int], Any],
 ) -> dict[str, Any]:
     """Log2 lift of the needle's value tokens over distractor tokens, from the answer position, per length."""
-    from .tasks.needle import make_needle_examples
-
-    def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
-
     by_length: dict[str, Any] = {}
-    skipped = []
-    depths = [(i + 0.5) / examples for i in range(examples)]
-    for length in lengths:
-        if max_positions is not None and length > max_positions:
-            skipped.append({"length": length, "reason": f"exceeds max_position_embeddings={max_positions}"})
-            progress(examples)
-            continue
+    skipped: list[dict] = []
+    for length, prompts in needle_prompts(tokenizer, lengths, examples, seed, max_positions, skipped, progress):
         lifts, masses, sizes = [], [], []
-        for example in make_needle_examples(length, examples, seed=seed, count=count, depths=depths):
-            try:
-                ids, kinds = needle_prompt_ids(tokenizer, example, max_positions)
-            except ValueError as error:  # the evidence sits too early to cut the prompt to the model's length
-                skipped.append({"length": length, "depth": example.depth, "reason": str(error)})
-                progress(1)
-                continue
+        for ids, kinds in prompts:
             value = torch.tensor([k == "value" for k in kinds])
             distractor = torch.tensor([k == "distractor" for k in kinds])
             distractor[0] = False  # the sink (analysis 2) must not dilute the reference
@@ -276,4 +298,11 @@ def answer_value_contrast(
     }
 
 
-__all__ = ["answer_value_contrast", "key_positions", "key_scale_sensitivity", "needle_prompt_ids", "pattern_measures"]
+__all__ = [
+    "answer_value_contrast",
+    "key_positions",
+    "key_scale_sensitivity",
+    "needle_prompt_ids",
+    "needle_prompts",
+    "pattern_measures",
+]
