@@ -459,3 +459,18 @@ def test_fused_feature_map_equals_the_written_out_formula(num_frequencies, shari
         expected_k = written_out_features(k.double(), omega_full.double(), feature_map.key_gain.double(), *tables)
     assert (fused_q.double() - expected_q).abs().max().item() < 1e-5
     assert (fused_k.double() - expected_k).abs().max().item() < 1e-5
+
+
+def test_fixed_parameters_stay_frozen_after_from_pretrained(tmp_path):
+    # transformers' loader wraps every loaded float tensor as a trainable Parameter; a frozen omega, frozen gains or
+    # the input norm's calibrated reference scale must not start training after a save/load round trip.
+    config = QKMapConfig(
+        qkmap_learnable_frequencies=False, qkmap_input_norm=True, qkmap_gain_treatment="frozen", **tiny_config_kwargs()
+    )
+    QKMapForCausalLM(config).save_pretrained(tmp_path)
+    loaded = QKMapForCausalLM.from_pretrained(tmp_path)
+    attention = loaded.model.layers[0].self_attn
+    frozen = [attention.qk_map.log_frequency, attention.qk_map.query_gain, attention.qk_map.key_gain]
+    frozen += [attention.q_norm.reference_scale, attention.k_norm.reference_scale]
+    assert not any(p.requires_grad for p in frozen)
+    assert attention.q_proj.weight.requires_grad and attention.q_norm.weight.requires_grad

@@ -311,6 +311,9 @@ def test_resume_continues_from_the_saved_step_with_the_same_losses(corpus, tmp_p
     for step in (5, 6, 7, 8):
         assert resumed_losses[step] == pytest.approx(full_losses[step], abs=1e-6)
     assert full_losses[8] < full_losses[1]
+    # The attention monitor's log continues: step 1 measured before the checkpoint, step 8 (the last) after it.
+    monitor_steps = [h["step"] for h in resumed["log_history"] if "monitor/max_logit" in h]
+    assert monitor_steps == [1, 8]
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(
             TrainOptions(

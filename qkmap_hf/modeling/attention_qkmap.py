@@ -28,6 +28,9 @@ from .position_prior import QKPositionPrior
 # padding for sdpa too: its T x 1 scores cost nothing on the unfused path, the copy of the whole value cache does.
 PAD_VALUES_FOR_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 FLASH_MAX_HEAD_DIM = 256
+# Added to the mean square of a gain row before it is normalized (qkmap_gain_treatment="normalized"): keeps an
+# all-zero row at zero instead of NaN, and is far below the unit RMS the native init starts from.
+GAIN_NORMALIZATION_EPS = 1e-12
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,12 +67,21 @@ class QKMapFeatureMap(nn.Module):
             config.resolved_qkmap_input_dim,
         )
         freq_width = 1 if config.qkmap_frequency_sharing == "head" else m
-        self.log_frequency = nn.Parameter(
-            torch.zeros(kv_heads, num_freq, freq_width), requires_grad=config.qkmap_learnable_frequencies
-        )
+        self.log_frequency = nn.Parameter(torch.zeros(kv_heads, num_freq, freq_width))
         self.query_gain = nn.Parameter(torch.ones(kv_heads, 2 * num_freq, m))
         self.key_gain = nn.Parameter(torch.ones(kv_heads, 2 * num_freq, m))
         self.inverse_frequency_gains = config.qkmap_gain_parametrization == "inverse_frequency"
+        self.normalized_gains = getattr(config, "qkmap_gain_treatment", "learned") == "normalized"
+        self.reset_trainability()
+
+    def reset_trainability(self) -> None:
+        """Freeze what the config keeps fixed: omega (``qkmap_learnable_frequencies``), the gains
+        (``qkmap_gain_treatment="frozen"``). Run at construction and after loading, because transformers' loader
+        makes every loaded float tensor trainable."""
+        self.log_frequency.requires_grad_(self.config.qkmap_learnable_frequencies)
+        gains_train = getattr(self.config, "qkmap_gain_treatment", "learned") != "frozen"
+        self.query_gain.requires_grad_(gains_train)
+        self.key_gain.requires_grad_(gains_train)
 
     def frequency(self) -> torch.Tensor:
         """``omega`` in float32, ``(kv_heads, F, m or 1)``."""
@@ -77,10 +89,14 @@ class QKMapFeatureMap(nn.Module):
         return (log_frequency if log_frequency.dtype == torch.float32 else log_frequency.float()).exp()
 
     def effective_gain(self, gain: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-        """Gain applied to the features; ``stored / omega`` under the inverse-frequency parametrization."""
+        """Gain applied to the features: ``stored / omega`` under the inverse-frequency parametrization; each row
+        rescaled to RMS 1 under ``qkmap_gain_treatment="normalized"`` (a bound on the logits that training cannot
+        move)."""
         gain = gain if gain.dtype == torch.float32 else gain.float()
         if self.inverse_frequency_gains:
             gain = gain / frequency.repeat_interleave(2, dim=1)
+        if self.normalized_gains:
+            gain = gain * torch.rsqrt(gain.square().mean(dim=-1, keepdim=True) + GAIN_NORMALIZATION_EPS)
         return gain
 
     def forward(
@@ -132,7 +148,12 @@ class QKMapInputRMSNorm(LlamaRMSNorm):
     def __init__(self, config: QKMapConfig, num_heads: int):
         super().__init__(config.projection_dim, eps=config.rms_norm_eps)
         self.config = config
-        self.reference_scale = nn.Parameter(torch.ones(num_heads), requires_grad=False)
+        self.reference_scale = nn.Parameter(torch.ones(num_heads))
+        self.reset_trainability()
+
+    def reset_trainability(self) -> None:
+        """``r`` is calibrated, never trained (see ``QKMapFeatureMap.reset_trainability`` for why this runs twice)."""
+        self.reference_scale.requires_grad_(False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         power = self.config.qkmap_input_norm_power

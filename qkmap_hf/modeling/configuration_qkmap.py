@@ -15,6 +15,8 @@ QK_MODES = ("standard", "qk_norm", "qk_map")
 QKMAP_FREQUENCY_SHARING = ("channel", "head")
 QKMAP_GAIN_PARAMETRIZATIONS = ("absolute", "inverse_frequency")
 QKMAP_INITS = ("native", "exact")
+# How training treats the QK-MAP gains (docs/stability.md): they set the logit bound, so they decide whether it holds.
+QKMAP_GAIN_TREATMENTS = ("learned", "frozen", "decayed", "normalized")
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it the weights underflow to 0 (or 1/x to inf)
 QK_POSITION_PRIORS = ("none", "constant")
@@ -65,6 +67,11 @@ class QKMapConfig(LlamaConfig):
     - ``qkmap_rotate_cos_blocks``: RoPE-rotate the cos blocks (the default). ``False`` leaves them unrotated: their
       near-constant part then adds the same amount to every logit of a query (softmax-invariant), so the
       relative-position prior of the rotated constant block is removed (the "no prior" ablation).
+    - ``qkmap_gain_treatment``: how training treats the gains, which bound the logits
+      (``|logit| <= scale * ||a_q|| * ||a_k||``, see ``docs/stability.md``): ``"learned"`` (default: trained, no weight
+      decay), ``"frozen"`` (kept at their initial values), ``"decayed"`` (trained with the weight matrices' learning
+      rate and weight decay), ``"normalized"`` (each cos or sin row of ``m`` gains rescaled to RMS 1 in the forward
+      pass: the bound is a constant, ``scale * 2 F m``, whatever training does; native init only).
 
     Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
 
@@ -92,6 +99,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_input_norm: bool = False
     qkmap_input_norm_power: float = 1.0
     qkmap_rotate_cos_blocks: bool = True
+    qkmap_gain_treatment: str = "learned"
     logit_scale_multiplier: float = 1.0
     qk_position_prior: str = "none"
 
@@ -155,6 +163,12 @@ class QKMapConfig(LlamaConfig):
         choice("qkmap_frequency_sharing", QKMAP_FREQUENCY_SHARING)
         choice("qkmap_gain_parametrization", QKMAP_GAIN_PARAMETRIZATIONS)
         choice("qkmap_init", QKMAP_INITS)
+        choice("qkmap_gain_treatment", QKMAP_GAIN_TREATMENTS)
+        if self.qkmap_gain_treatment == "normalized" and self.qkmap_init == "exact":
+            raise ValueError(
+                "QKMapConfig.qkmap_gain_treatment='normalized' needs qkmap_init='native': the exact init's zero and "
+                "1/omega gains are not RMS 1 per row, so normalizing them would change the converted function."
+            )
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             positive(field, getattr(self, field))
         positive("num_key_value_heads", self.num_key_value_heads)
@@ -246,4 +260,4 @@ class QKMapConfig(LlamaConfig):
         return self.resolved_qkmap_input_dim if self.qk_mode == "qk_map" else self.head_dim
 
 
-__all__ = ["QKMapConfig", "QK_MODES", "QK_POSITION_PRIORS"]
+__all__ = ["QKMAP_GAIN_TREATMENTS", "QKMapConfig", "QK_MODES", "QK_POSITION_PRIORS"]

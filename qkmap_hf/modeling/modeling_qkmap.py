@@ -100,6 +100,17 @@ class QKMapPreTrainedModel(PreTrainedModel):
         "attentions": QKMapAttention,
     }
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, then the fixed parameters frozen again (the loader makes every loaded
+        float tensor trainable: a frozen omega, gain or reference scale would train)."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        for module in model.modules():
+            if isinstance(module, (QKMapFeatureMap, QKMapInputRMSNorm)):
+                module.reset_trainability()
+        return loaded
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

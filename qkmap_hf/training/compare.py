@@ -27,6 +27,7 @@ from typing import Any
 from ..fileio import atomic_write_csv, atomic_write_json, atomic_write_text
 from ..flags import OverridesAction, collected_by, parse_overrides
 from ..modeling.configuration_qkmap import QK_MODES
+from ..monitoring import DEFAULT_MONITOR_STEPS
 from .optim import QKMAP_LR_MULTIPLIER
 from .presets import PRESETS, get_preset
 
@@ -42,6 +43,10 @@ BUILTIN_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "standard_prior": ("standard", {"qk_position_prior": "constant"}),
     "qk_norm_prior": ("qk_norm", {"qk_position_prior": "constant"}),
     "qk_map_noprior": ("qk_map", {"qkmap_rotate_cos_blocks": False}),
+    # Gain treatments (docs/stability.md): whether the logit bound the gains set holds under training.
+    "qk_map_gains_frozen": ("qk_map", {"qkmap_gain_treatment": "frozen"}),
+    "qk_map_gains_decayed": ("qk_map", {"qkmap_gain_treatment": "decayed"}),
+    "qk_map_gains_normalized": ("qk_map", {"qkmap_gain_treatment": "normalized"}),
 }
 
 
@@ -126,6 +131,9 @@ class CompareOptions:
         default=False,
         metadata=_help("QK-Norm's weights at the QK-MAP group's rate (--tune sets it: qk_lr_multiplier tunes both)"),
     )
+    monitor_steps: int = field(
+        default=DEFAULT_MONITOR_STEPS, metadata=_help("steps between attention-logit monitor probes; 0 turns it off")
+    )
 
 
 @dataclass
@@ -186,6 +194,12 @@ def rows_from_history(label: str, seed: int, history: list[dict]) -> list[dict]:
                 }
             )
     return rows
+
+
+def initial_loss(log_history: list[dict], diverged: dict) -> float:
+    """``L0`` of a run: its held-out loss before the first step (``eval_on_start``), else its first training loss."""
+    at_start = [entry["eval_loss"] for entry in log_history if "eval_loss" in entry and entry.get("step") == 0]
+    return float(at_start[0]) if at_start else float(diverged["initial_loss"])
 
 
 def prepare_data(options: CompareOptions) -> tuple[Any, tuple, int]:
@@ -259,6 +273,11 @@ def run_comparison(options: CompareOptions) -> ComparisonResult:
             )
             timing[f"{variant.label}/{seed}"] = time.time() - started
             rows += rows_from_history(variant.label, seed, result.log_history)
+            if result.diverged is not None:  # recorded with L0 as its final loss; the comparison goes on
+                loss = initial_loss(result.log_history, result.diverged)
+                rows.append(
+                    {"mode": variant.label, "seed": seed, "step": options.steps, "split": "validation"} | {"loss": loss}
+                )
             _write_rows(csv_path, rows)
             atomic_write_json(timing_path, timing)
     return report(out, options.steps, labels)
@@ -304,6 +323,8 @@ def train_run(
         attn_implementation=options.attn_implementation,
         bf16="no",
         qk_norm_in_qk_group=options.qk_norm_in_qk_group,
+        monitor_steps=options.monitor_steps,
+        stop_on_divergence=True,  # a diverged run is recorded with L0 and the comparison goes on
         **train_settings,
     )
     return train(run_options, datasets=datasets, tokenizer=tokenizer, save=save)
@@ -396,6 +417,7 @@ __all__ = [
     "ComparisonResult",
     "Variant",
     "parse_variant",
+    "initial_loss",
     "prepare_data",
     "report",
     "run_comparison",

@@ -42,6 +42,8 @@ def check_train_options(options: Any) -> None:
         value = getattr(options, name, None)
         if value is not None and value <= 0:
             raise ValueError(f"{_option(name)} {value}: must be a positive integer (leave it out for the default).")
+    if getattr(options, "monitor_steps", 0) < 0:
+        raise ValueError(f"--monitor-steps {options.monitor_steps}: must be 0 (off) or a positive step count.")
     for name, value in vars(options).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{_option(name)} {value}: must be a finite number.")

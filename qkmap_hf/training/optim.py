@@ -37,6 +37,16 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("Norm", "RMSNorm"))
 
 
+def _is_decayed_gain(module: nn.Module, param_name: str) -> bool:
+    """A QK-MAP gain under ``qkmap_gain_treatment="decayed"``: trained like a weight matrix (base rate, decay)."""
+    config = getattr(module, "config", None)
+    return (
+        type(module).__name__ == QKMAP_MODULE_CLASS
+        and param_name.endswith("_gain")
+        and getattr(config, "qkmap_gain_treatment", "learned") == "decayed"
+    )
+
+
 def classify_parameters(
     model: nn.Module, *, qk_norm_in_qk_group: bool = False
 ) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -55,7 +65,9 @@ def classify_parameters(
             seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
             is_qk_norm = qk_norm_in_qk_group and module_name.rsplit(".", 1)[-1] in QK_NORM_MODULE_NAMES
-            if type(module).__name__ in QK_GROUP_MODULE_CLASSES or is_qk_norm:
+            if _is_decayed_gain(module, param_name):
+                group = "decay"
+            elif type(module).__name__ in QK_GROUP_MODULE_CLASSES or is_qk_norm:
                 group = "qkmap"
             elif param_name.endswith("bias") or _is_norm(module):
                 group = "no_decay"

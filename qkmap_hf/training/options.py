@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ..flags import OverridesAction, parse_overrides, parsed_by, steps_or_fraction
+from ..monitoring import DEFAULT_MONITOR_STEPS
 from .optim import QKMAP_LR_MULTIPLIER
 from .presets import PRESETS
 
@@ -132,6 +133,14 @@ class TrainOptions:
     dataloader_num_workers: int = field(default=0, metadata=_help("data-loader worker processes"))
     report_to: str = field(default="none", metadata=_help("Trainer integrations (none, tensorboard, wandb...)"))
     disable_tqdm: bool = field(default=False, metadata=_help("no progress bars"))
+    monitor_steps: int = field(
+        default=DEFAULT_MONITOR_STEPS,
+        metadata=_help("steps between attention-logit monitor probes (logged as monitor/...); 0 turns it off"),
+    )
+    stop_on_divergence: bool = field(
+        default=False,
+        metadata=_help("stop a run whose loss is not finite or stays above its initial loss (qkmap compare sets it)"),
+    )
 
 
 def shared_training_arguments(options: TrainOptions, trainer_fields: set[str]) -> dict[str, Any]:
@@ -154,6 +163,7 @@ class TrainResult:
     eval_metrics: dict
     data: dict
     wall_seconds: float
+    diverged: dict | None = None  # DivergenceGuard's record when the run was stopped as diverged
 
 
 __all__ = ["TrainOptions", "TrainResult", "parse_overrides", "shared_training_arguments"]

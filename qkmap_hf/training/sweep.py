@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_json, atomic_write_text
-from .compare import TRAIN_KEY_ALIASES, TRAIN_KEYS, CompareOptions, Variant, prepare_data, train_run
+from .compare import TRAIN_KEY_ALIASES, TRAIN_KEYS, CompareOptions, Variant, initial_loss, prepare_data, train_run
 
 SWEEP_FORMAT = "qkmap-sweep/1"
 SWEEP_CSV_FIELDS = ("arm", "phase", "setting", "seed", "step", "split", "loss")
 QK_LR_KNOB = "qkmap_lr_multiplier"
 DEFAULT_SETTING = "default"
+DIVERGED_FILE = "diverged.json"  # runs stopped as diverged: why, at which step, and the L0 recorded for them
 
 
 @dataclass
@@ -238,6 +239,8 @@ def run_sweep(sweep: SweepOptions) -> dict:
     csv_path, timing_path = out / "sweep_losses.csv", out / "timing.json"
     rows = _read(csv_path)
     timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    diverged_path = out / DIVERGED_FILE
+    diverged = json.loads(diverged_path.read_text()) if diverged_path.exists() else {}
 
     def run(variant: Variant, phase: str, setting: str, seed: int, split, eval_steps: int, folder: Path, save: bool):
         nonlocal rows
@@ -259,8 +262,17 @@ def run_sweep(sweep: SweepOptions) -> dict:
             logging_steps=logging_steps,
             save=save,
         )
-        timing[f"{variant.label}/{phase}/{setting}/{seed}"] = time.time() - started
+        key = f"{variant.label}/{phase}/{setting}/{seed}"
+        timing[key] = time.time() - started
         rows += _history_rows(variant.label, phase, setting, seed, result.log_history)
+        if result.diverged is not None:  # recorded with L0 as its final loss (Wortsman et al. 2023)
+            initial = initial_loss(result.log_history, result.diverged)
+            diverged[key] = {**result.diverged, "recorded_loss": initial}
+            rows.append(
+                {"arm": variant.label, "phase": phase, "setting": setting, "seed": seed}
+                | {"step": options.steps, "split": "validation", "loss": initial}
+            )
+            atomic_write_json(diverged_path, diverged)
         _write(csv_path, rows)
         atomic_write_json(timing_path, timing)
 
@@ -306,6 +318,7 @@ def run_sweep(sweep: SweepOptions) -> dict:
                 sweep.save_models,
             )
     summary = summarize_sweep(rows, sweep, grids, choices, timing)
+    summary["diverged"] = diverged
     summary["splits"] = {
         "tuning": {
             "seeds": sweep.tuning_seeds,

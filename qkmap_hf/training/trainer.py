@@ -25,6 +25,7 @@ import torch
 from transformers import default_data_collator
 
 from ..fileio import atomic_write_json
+from ..monitoring import DivergenceGuard, TrainingMonitor, plot_monitor, probe_batch
 from ..provenance import PROVENANCE_FILES, TrainingRecord
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
 from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 PROVENANCE_FILE = PROVENANCE_FILES["training"]
 ADAPTER_SUBDIR = "adapter"
+MONITOR_PLOT = "monitor.png"
 DEFAULT_CHECKPOINT_LR = 1e-4
 DEFAULT_CHECKPOINT_BATCH = 8
 DEFAULT_CHECKPOINT_BLOCK = 1024
@@ -140,6 +142,7 @@ def training_arguments(options: TrainOptions, resolved: dict[str, Any], model, h
         data_seed=options.seed,
         bf16=bf16_enabled(options.bf16),
         logging_first_step=True,
+        logging_nan_inf_filter=False,  # a non-finite loss is logged as such: the divergence guard must see it
         eval_strategy="steps" if has_eval else "no",
         eval_steps=options.eval_steps if has_eval else None,
         eval_on_start=options.eval_on_start and has_eval,
@@ -168,6 +171,21 @@ def fsdp_settings(options: TrainOptions, model) -> dict[str, Any]:
     if options.fsdp_config:
         settings.update(json.loads(Path(options.fsdp_config).read_text()))
     return settings
+
+
+def attach_monitoring(trainer, options: TrainOptions, probe_dataset) -> DivergenceGuard | None:
+    """The attention monitor (``--monitor-steps``, on by default) and, when asked, the divergence guard."""
+    probe_ids = probe_batch(probe_dataset)
+    if options.monitor_steps > 0 and probe_ids is not None:
+        if trainer.is_fsdp_enabled:  # a probe on rank 0 alone cannot gather sharded weights
+            logger.warning("--monitor-steps: the attention monitor does not run under FSDP; use DDP to monitor.")
+        else:
+            TrainingMonitor.attach(trainer, probe_ids, options.monitor_steps)
+    if not options.stop_on_divergence:
+        return None
+    guard = DivergenceGuard()
+    trainer.add_callback(guard)
+    return guard
 
 
 def resume_checkpoint(options: TrainOptions) -> str | None:
@@ -360,6 +378,7 @@ def train(
             trainer.args.world_size,
             trainer.args.parallel_mode.value,
         )
+    guard = attach_monitoring(trainer, options, eval_dataset if has_eval else train_dataset)
     resumed_from = resume_checkpoint(options)
     train_output = trainer.train(resume_from_checkpoint=resumed_from)
     eval_metrics: dict = {}
@@ -378,9 +397,11 @@ def train(
         eval_metrics=dict(eval_metrics),
         data=data_stats.to_dict(),
         wall_seconds=time.time() - started,
+        diverged=guard.diverged if guard is not None else None,
     )
     if trainer.is_world_process_zero():
         Path(options.output_dir).mkdir(parents=True, exist_ok=True)
+        plot_monitor(result.log_history, Path(options.output_dir) / MONITOR_PLOT, title=f"monitor: {options.model}")
         _write_provenance(
             Path(options.output_dir) / PROVENANCE_FILE,
             options,
