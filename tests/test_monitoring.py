@@ -197,34 +197,40 @@ def test_normalized_gains_hold_the_bound_whatever_the_stored_gains():
 
 
 @pytest.mark.slow
-def test_gain_treatments_round_trip_through_a_clean_interpreter(tmp_path):
+def test_new_options_round_trip_through_a_clean_interpreter(tmp_path):
+    # The gain treatments (issue 19) and the constant-cos control (issue 24) load without qkmap_hf, same logits.
+    options = {t: {"qkmap_gain_treatment": t} for t in QKMAP_GAIN_TREATMENTS[1:]}
+    options["constant_cos"] = {"qkmap_cos_block": "constant"}
     ids = torch.randint(0, 256, (1, 12))
     expected = {}
-    for treatment in QKMAP_GAIN_TREATMENTS[1:]:
+    for name, fields in options.items():
         torch.manual_seed(0)
-        model = QKMapForCausalLM(QKMapConfig(qkmap_gain_treatment=treatment, **tiny_config_kwargs())).eval()
+        model = QKMapForCausalLM(QKMapConfig(**fields, **tiny_config_kwargs())).eval()
         with torch.no_grad():
             model.model.layers[0].self_attn.qk_map.key_gain.mul_(1.5)  # off the initial values
-            expected[treatment] = model(input_ids=ids).logits[0, -1].tolist()
-        model.save_pretrained(tmp_path / treatment)
+            expected[name] = model(input_ids=ids).logits[0, -1].tolist()
+        model.save_pretrained(tmp_path / name)
     code = f"""
 import json, torch
 from transformers import AutoModelForCausalLM
 ids = torch.tensor({ids.tolist()})
 out = {{}}
-for treatment in {list(expected)}:
-    model = AutoModelForCausalLM.from_pretrained(treatment, trust_remote_code=True, dtype=torch.float32).eval()
+for name in {list(expected)}:
+    model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=True, dtype=torch.float32).eval()
     gain = model.model.layers[0].self_attn.qk_map.key_gain
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, -1].tolist()
-    out[treatment] = dict(field=model.config.qkmap_gain_treatment, trainable=gain.requires_grad, logits=logits)
+    config = model.config
+    out[name] = dict(fields=[config.qkmap_gain_treatment, config.qkmap_cos_block], trainable=gain.requires_grad,
+                     logits=logits)
 print(json.dumps(out))
 """
     loaded = run_clean_python(code, cwd=tmp_path)
-    for treatment, values in expected.items():
-        assert loaded[treatment]["field"] == treatment
-        assert loaded[treatment]["trainable"] == (treatment != "frozen")
-        assert loaded[treatment]["logits"] == pytest.approx(values, abs=1e-5)
+    for name, values in expected.items():
+        config = QKMapConfig(**options[name], **tiny_config_kwargs())
+        assert loaded[name]["fields"] == [config.qkmap_gain_treatment, config.qkmap_cos_block]
+        assert loaded[name]["trainable"] == (name != "frozen")
+        assert loaded[name]["logits"] == pytest.approx(values, abs=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -47,7 +47,16 @@ def run(args: argparse.Namespace) -> int:
     from ..training.compare import CompareOptions, run_comparison
     from .paths import require_path, require_paths
 
-    require_paths("--data", args.data)
+    if args.task:
+        from ..training.synthetic import parse_task
+
+        parse_task(args.task)  # a wrong name or field is refused before anything runs
+    elif not args.data:
+        raise ValueError(
+            "qkmap compare needs --data PATH... or --task NAME (synthetic tasks: docs/synthetic-tasks.md)."
+        )
+    else:
+        require_paths("--data", args.data)
     counts = ("steps", "seeds", "block_size", "batch_size", "eval_steps", "logging_steps", "max_tokens")
     for name in counts:  # the library reads a missing count as "the default"; 0 must not become that silently
         value = getattr(args, name)

@@ -72,6 +72,7 @@ class QKMapFeatureMap(nn.Module):
         self.key_gain = nn.Parameter(torch.ones(kv_heads, 2 * num_freq, m))
         self.inverse_frequency_gains = config.qkmap_gain_parametrization == "inverse_frequency"
         self.normalized_gains = getattr(config, "qkmap_gain_treatment", "learned") == "normalized"
+        self.constant_cos_blocks = getattr(config, "qkmap_cos_block", "phase") == "constant"
         self.reset_trainability()
 
     def reset_trainability(self) -> None:
@@ -108,7 +109,37 @@ class QKMapFeatureMap(nn.Module):
             self.effective_gain(self.query_gain, frequency),
             self.effective_gain(self.key_gain, frequency),
         )
-        return qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate)
+        if not self.constant_cos_blocks:
+            return qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate)
+        sine_rows = self.sine_rows(query_gain)
+        query_features, key_features = qkmap_query_key_features(
+            query, key, frequency, query_gain * sine_rows, key_gain * sine_rows, cos, sin, rotate
+        )
+        groups = query.shape[1] // key.shape[1]
+        return (
+            query_features + self.constant_cos_features(query_gain, cos, sin, groups).to(query_features.dtype),
+            key_features + self.constant_cos_features(key_gain, cos, sin, 1).to(key_features.dtype),
+        )
+
+    @staticmethod
+    def sine_rows(gain: torch.Tensor) -> torch.Tensor:
+        """1 on the sine rows, 0 on the cos rows, shaped to multiply ``(kv_heads, 2F, m)`` gains (no buffer: a
+        non-persistent buffer would not survive loading on the meta device)."""
+        return torch.arange(gain.shape[1], device=gain.device).remainder(2).to(gain.dtype)[None, :, None]
+
+    def constant_cos_features(self, gain: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int):
+        """``qkmap_cos_block="constant"``: the cos rows as the constant ``a_cos`` (``cos(omega z)`` replaced by 1),
+        RoPE-rotated when the cos blocks are, zero in the sine rows; ``(batch or 1, heads, seq, 2F*m)``."""
+        rows = gain * (1 - self.sine_rows(gain))  # (kv_heads, 2F, m): the cos rows only
+        rows = rows.repeat_interleave(groups, dim=0)[None, :, None]  # (1, heads, 1, 2F, m)
+        if self.config.qkmap_rotate_cos_blocks:
+            table_cos, table_sin = cos.float()[:, None, :, None], sin.float()[:, None, :, None]  # (b, 1, seq, 1, m)
+            half = rows.shape[-1] // 2
+            rotated_half = torch.cat((-rows[..., half:], rows[..., :half]), dim=-1)
+            rows = rows * table_cos + rotated_half * table_sin
+        else:
+            rows = rows.expand(-1, -1, cos.shape[1], -1, -1)
+        return rows.flatten(-2)
 
     @torch.no_grad()
     def initial_values(self) -> dict[str, torch.Tensor]:

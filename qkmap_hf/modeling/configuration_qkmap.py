@@ -17,6 +17,8 @@ QKMAP_GAIN_PARAMETRIZATIONS = ("absolute", "inverse_frequency")
 QKMAP_INITS = ("native", "exact")
 # How training treats the QK-MAP gains (docs/stability.md): they set the logit bound, so they decide whether it holds.
 QKMAP_GAIN_TREATMENTS = ("learned", "frozen", "decayed", "normalized")
+# What the cos rows see: the phase omega z (QK-MAP), or a learnable constant (the control that isolates magnitude).
+QKMAP_COS_BLOCKS = ("phase", "constant")
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it the weights underflow to 0 (or 1/x to inf)
 QK_POSITION_PRIORS = ("none", "constant")
@@ -71,7 +73,10 @@ class QKMapConfig(LlamaConfig):
       (``|logit| <= scale * ||a_q|| * ||a_k||``, see ``docs/stability.md``): ``"learned"`` (default: trained, no weight
       decay), ``"frozen"`` (kept at their initial values), ``"decayed"`` (trained with the weight matrices' learning
       rate and weight decay), ``"normalized"`` (each cos or sin row of ``m`` gains rescaled to RMS 1 in the forward
-      pass: the bound is a constant, ``scale * 2 F m``, whatever training does; native init only).
+      pass: the bound is at most ``scale * 2 F m`` whatever training does; native init only).
+    - ``qkmap_cos_block``: ``"phase"`` (default: ``a_cos cos(omega z)``) or ``"constant"``: the cos rows are the
+      learnable constant ``a_cos`` (``z``-independent) rotated by RoPE, so only the sine rows see ``z``: the control
+      that isolates magnitude from QK-MAP's relative-position prior (docs/synthetic-tasks.md).
 
     Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
 
@@ -100,6 +105,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_input_norm_power: float = 1.0
     qkmap_rotate_cos_blocks: bool = True
     qkmap_gain_treatment: str = "learned"
+    qkmap_cos_block: str = "phase"
     logit_scale_multiplier: float = 1.0
     qk_position_prior: str = "none"
 
@@ -164,6 +170,7 @@ class QKMapConfig(LlamaConfig):
         choice("qkmap_gain_parametrization", QKMAP_GAIN_PARAMETRIZATIONS)
         choice("qkmap_init", QKMAP_INITS)
         choice("qkmap_gain_treatment", QKMAP_GAIN_TREATMENTS)
+        choice("qkmap_cos_block", QKMAP_COS_BLOCKS)
         if self.qkmap_gain_treatment == "normalized" and self.qkmap_init == "exact":
             raise ValueError(
                 "QKMapConfig.qkmap_gain_treatment='normalized' needs qkmap_init='native': the exact init's zero and "

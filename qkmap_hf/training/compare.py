@@ -30,6 +30,7 @@ from ..modeling.configuration_qkmap import QK_MODES
 from ..monitoring import DEFAULT_MONITOR_STEPS
 from .optim import QKMAP_LR_MULTIPLIER
 from .presets import PRESETS, get_preset
+from .synthetic import TASKS, answer_accuracy, answer_argmax, parse_task, task_datasets
 
 CSV_FIELDS = ("mode", "seed", "step", "split", "loss")
 TRAIN_KEYS = {"learning_rate", "qkmap_learning_rate", "qkmap_lr_multiplier", "weight_decay", "qkmap_weight_decay"}
@@ -47,6 +48,8 @@ BUILTIN_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "qk_map_gains_frozen": ("qk_map", {"qkmap_gain_treatment": "frozen"}),
     "qk_map_gains_decayed": ("qk_map", {"qkmap_gain_treatment": "decayed"}),
     "qk_map_gains_normalized": ("qk_map", {"qkmap_gain_treatment": "normalized"}),
+    # The control that isolates magnitude (docs/synthetic-tasks.md): constant cos rows, only the sine rows see z.
+    "qk_map_constant_cos": ("qk_map", {"qkmap_cos_block": "constant"}),
 }
 
 
@@ -91,8 +94,16 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 class CompareOptions:
     """Settings of one comparison; every run shares them (see the module docstring). Field ``steps`` is ``--steps``."""
 
-    data: list[str] = field(metadata=_help("text, JSONL or dataset folders", metavar="PATH"))
     output_dir: str = field(metadata=_help("where losses.csv, the plots, the summary and the runs go"))
+    data: list[str] = field(
+        default_factory=list, metadata=_help("text, JSONL or dataset folders (or give --task)", metavar="PATH")
+    )
+    task: str | None = field(
+        default=None,
+        metadata=_help(
+            f"a synthetic task instead of --data, NAME[:FIELD=VALUE,...] ({', '.join(TASKS)}; docs/synthetic-tasks.md)"
+        ),
+    )
     preset: str = field(default="tiny", metadata=_help(f"size preset: {', '.join(PRESETS)}"))
     steps: int = field(default=200, metadata=_help("optimizer steps per run"))
     seeds: int = field(default=3, metadata=_help("number of seeds (first-seed, first-seed+1, ...)"))
@@ -204,10 +215,18 @@ def initial_loss(log_history: list[dict], diverged: dict) -> float:
 
 def prepare_data(options: CompareOptions) -> tuple[Any, tuple, int]:
     """Tokenizer, ``(train, held-out, stats)`` datasets and block size shared by every run of a comparison."""
-    from .data import build_datasets
+    from .data import build_datasets, byte_level_tokenizer
     from .trainer import TrainOptions, load_tokenizer
 
     block_size = options.block_size or get_preset(options.preset).block_size
+    if options.task:
+        batch = options.batch_size or get_preset(options.preset).batch_size
+        datasets = task_datasets(parse_task(options.task), block_size, options.steps * batch, options.max_eval_blocks)
+        return byte_level_tokenizer(), datasets, block_size
+    if not options.data:
+        raise ValueError(
+            "qkmap compare needs --data PATH... or --task NAME (synthetic tasks: docs/synthetic-tasks.md)."
+        )
     base = TrainOptions(
         model=options.preset,
         data=list(options.data),
@@ -327,7 +346,14 @@ def train_run(
         stop_on_divergence=True,  # a diverged run is recorded with L0 and the comparison goes on
         **train_settings,
     )
-    return train(run_options, datasets=datasets, tokenizer=tokenizer, save=save)
+    task_metrics = {"compute_metrics": answer_accuracy, "preprocess_logits_for_metrics": answer_argmax}
+    return train(
+        run_options,
+        datasets=datasets,
+        tokenizer=tokenizer,
+        save=save,
+        trainer_kwargs=task_metrics if options.task else None,
+    )
 
 
 # --------------------------------------------------------------------------------------------------

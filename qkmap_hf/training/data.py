@@ -209,17 +209,25 @@ def split_blocks(
 
 
 class PackedDataset(Dataset):
-    """Fixed-length blocks as ``{"input_ids", "labels"}`` examples (the model shifts labels itself)."""
+    """Fixed-length blocks as ``{"input_ids", "labels"}`` examples (the model shifts labels itself).
 
-    def __init__(self, blocks: torch.Tensor):
+    ``labels`` (same shape, ``-100`` where no loss is wanted) defaults to the blocks themselves: language modelling.
+    """
+
+    def __init__(self, blocks: torch.Tensor, labels: torch.Tensor | None = None):
         self.blocks = blocks
+        self.labels = labels
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         block = self.blocks[index]
-        return {"input_ids": block, "labels": block.clone()}
+        return {"input_ids": block, "labels": block.clone() if self.labels is None else self.labels[index]}
+
+    def subset(self, rows: slice) -> PackedDataset:
+        """The blocks (and labels) in ``rows``."""
+        return PackedDataset(self.blocks[rows], None if self.labels is None else self.labels[rows])
 
 
 @dataclass

@@ -121,8 +121,6 @@ def apply_point(variant: Variant, point: dict[str, Any]) -> Variant:
 
 def split_heldout(eval_dataset) -> tuple[Any, Any]:
     """Tuning split (first half of the held-out blocks) and report split (second half): disjoint by construction."""
-    from .data import PackedDataset
-
     blocks = eval_dataset.blocks
     half = len(blocks) // 2
     if half < 1:
@@ -130,7 +128,7 @@ def split_heldout(eval_dataset) -> tuple[Any, Any]:
             f"{len(blocks)} held-out block(s) cannot be cut into a tuning and a report split; raise --max-eval-blocks "
             "or --eval-fraction (at least 2 blocks)."
         )
-    return PackedDataset(blocks[:half]), PackedDataset(blocks[half:])
+    return eval_dataset.subset(slice(None, half)), eval_dataset.subset(slice(half, None))
 
 
 def block_fingerprints(dataset) -> list[str]:

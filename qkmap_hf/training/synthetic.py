@@ -1,0 +1,211 @@
+"""Synthetic tasks where position carries no information (``qkmap compare --task``; docs/synthetic-tasks.md).
+
+On natural text at small scale a recency prior explains QK-MAP's whole measured gain, so text cannot tell magnitude
+encoding apart from position. In these tasks the evidence sits at a uniform random depth: a gain must come from
+what the queries and keys encode.
+
+- ``mqar``: multi-query associative recall (Arora et al. 2023, "Zoology"). ``num_pairs`` key-value pairs are
+  scattered, each at a uniform random depth, over filler tokens; the last ``2 * num_queries`` tokens ask for keys
+  (``key value``, the value being the answer). Keys of a sequence are distinct.
+- ``salience``: every item token has a hidden priority (a fixed random ranking of the ``levels`` items, the same in
+  every split: it is the task); the answer after the query token is the highest-priority item seen. The answer's
+  level is uniform over the top three quarters of the ranking and its position uniform over the context, so that
+  neither recency nor a coarse reading of the priority (aliased phases) solves it.
+
+A task is ``NAME[:field=value,...]`` (e.g. ``mqar:num_pairs=4``). Sequences are generated on the fly: the example
+``i`` of a split is a pure function of ``(seed, split, i)``, and the training, tuning and report splits draw from
+disjoint seed streams. Only answer positions carry labels (``-100`` elsewhere), so the loss and
+``eval_accuracy`` (argmax at the answer positions) are about the task alone. Token ids fit the byte-level
+vocabulary (257) that the size presets train with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+IGNORE_INDEX = -100
+SPLITS = {"train": 0, "tune": 1, "report": 2}
+
+
+@dataclass(frozen=True)
+class MQARTask:
+    """Multi-query associative recall; ids: filler ``[0, 64)``, keys ``[64, 128)``, values ``[128, 192)``."""
+
+    name: ClassVar[str] = "mqar"
+    num_pairs: int = 2
+    num_queries: int | None = None  # default: every pair is asked for
+    key_vocab: int = 64
+    value_vocab: int = 64
+    filler_vocab: int = 64
+
+    @property
+    def queries(self) -> int:
+        return self.num_pairs if self.num_queries is None else self.num_queries
+
+    def check(self, length: int) -> None:
+        if not 1 <= self.queries <= self.num_pairs <= self.key_vocab:
+            raise ValueError(
+                f"task mqar: need 1 <= num_queries ({self.queries}) <= num_pairs ({self.num_pairs}) <= key_vocab "
+                f"({self.key_vocab})."
+            )
+        if (length - 2 * self.queries) // 2 < self.num_pairs:
+            raise ValueError(f"task mqar: block {length} cannot hold {self.num_pairs} pairs and their queries.")
+        if self.filler_vocab + self.key_vocab + self.value_vocab > 256:
+            raise ValueError("task mqar: filler_vocab + key_vocab + value_vocab must be at most 256 (byte ids).")
+
+    def sequence(self, rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndarray]:
+        key_base, value_base = self.filler_vocab, self.filler_vocab + self.key_vocab
+        ids = rng.integers(0, self.filler_vocab, size=length)
+        labels = np.full(length, IGNORE_INDEX)
+        keys = rng.choice(self.key_vocab, size=self.num_pairs, replace=False) + key_base
+        values = rng.integers(0, self.value_vocab, size=self.num_pairs) + value_base
+        context = length - 2 * self.queries
+        slots = np.sort(rng.choice(context // 2, size=self.num_pairs, replace=False))
+        # A uniform depth per pair: its slot is uniform, and an odd context leaves the last token to filler.
+        ids[2 * slots], ids[2 * slots + 1] = keys, values
+        asked = rng.choice(self.num_pairs, size=self.queries, replace=False)
+        query_positions = context + 2 * np.arange(self.queries)
+        ids[query_positions], ids[query_positions + 1] = keys[asked], values[asked]
+        labels[query_positions + 1] = values[asked]
+        return ids, labels
+
+
+@dataclass(frozen=True)
+class SalienceTask:
+    """Highest-priority item; ids: items ``[0, levels)``, the query token ``levels``."""
+
+    name: ClassVar[str] = "salience"
+    levels: int = 128
+    ranking_seed: int = 0  # the task's fixed priority ranking, the same for every split
+
+    def check(self, length: int) -> None:
+        if not 4 <= self.levels <= 255:
+            raise ValueError(f"task salience: levels={self.levels} must lie in [4, 255] (byte ids, plus the query).")
+        if length < 3:
+            raise ValueError(f"task salience: block {length} needs at least one item, the query and the answer.")
+
+    def priority(self) -> np.ndarray:
+        """``priority[item]``: the item's rank (0 lowest), a fixed permutation."""
+        return np.random.default_rng(self.ranking_seed).permutation(self.levels)
+
+    def sequence(self, rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndarray]:
+        priority = self.priority()
+        item_of_rank = np.argsort(priority)
+        context = length - 2
+        top = int(rng.integers(self.levels // 4, self.levels))  # the answer's rank
+        ranks = rng.integers(0, top, size=context)
+        ranks[rng.integers(0, context)] = top
+        ids = np.empty(length, dtype=np.int64)
+        ids[:context] = item_of_rank[ranks]
+        answer = item_of_rank[top]
+        ids[context], ids[context + 1] = self.levels, answer
+        labels = np.full(length, IGNORE_INDEX)
+        labels[context + 1] = answer
+        return ids, labels
+
+
+TASKS: dict[str, type] = {task.name: task for task in (MQARTask, SalienceTask)}
+
+
+def parse_task(spec: str):
+    """``NAME[:field=value,...]`` -> a task object; the error lists the tasks or the task's fields."""
+    from ..flags import parse_overrides
+
+    name, _, options = spec.partition(":")
+    if name not in TASKS:
+        raise ValueError(f"--task {spec!r}: unknown task {name!r}; choose one of: {', '.join(TASKS)}.")
+    cls = TASKS[name]
+    values = parse_overrides([item for item in options.split(",") if item.strip()]) if options else {}
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"--task {spec!r}: {', '.join(unknown)} not a field of {name} ({', '.join(sorted(known))}).")
+    return cls(**values)
+
+
+def task_spec(task) -> str:
+    """The canonical ``NAME:field=value,...`` of a task (every field, so a record says exactly what ran)."""
+    return f"{task.name}:" + ",".join(f"{k}={v}" for k, v in asdict(task).items())
+
+
+class TaskDataset(Dataset):
+    """``count`` sequences of ``task`` for one split, generated on demand from ``(seed, split, index)``."""
+
+    def __init__(self, task, length: int, count: int, seed: int, split: str):
+        task.check(length)
+        self.task, self.length, self.count, self.seed, self.split = task, length, count, seed, split
+
+    def __len__(self) -> int:
+        return self.count
+
+    def example(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        rng = np.random.default_rng([self.seed, SPLITS[self.split], index])
+        return self.task.sequence(rng, self.length)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, labels = self.example(index)
+        return {
+            "input_ids": torch.from_numpy(ids.astype(np.int64)),
+            "labels": torch.from_numpy(labels.astype(np.int64)),
+        }
+
+
+def heldout_dataset(task, length: int, blocks_per_split: int, seed: int):
+    """The held-out set as one ``PackedDataset``: the tuning split's blocks, then the report split's (halves, as
+    ``sweep.split_heldout`` cuts them), each from its own seed stream."""
+    from .data import PackedDataset
+
+    parts = [TaskDataset(task, length, blocks_per_split, seed, split) for split in ("tune", "report")]
+    examples = [part.example(i) for part in parts for i in range(len(part))]
+    ids = torch.from_numpy(np.stack([e[0] for e in examples]).astype(np.int64))
+    labels = torch.from_numpy(np.stack([e[1] for e in examples]).astype(np.int64))
+    return PackedDataset(ids, labels)
+
+
+def task_datasets(task, length: int, train_examples: int, heldout_blocks: int, seed: int = 0):
+    """``(train, held-out, stats)`` for ``qkmap compare``: the held-out split holds ``heldout_blocks`` sequences."""
+    from .data import DataStats
+
+    train = TaskDataset(task, length, train_examples, seed, "train")
+    heldout = heldout_dataset(task, length, max(1, heldout_blocks // 2), seed)
+    stats = DataStats(
+        sources=[f"task {task_spec(task)}"], text_field="", block_size=length, tokens=train_examples * length,
+        train_blocks=train_examples, eval_blocks=len(heldout), split_seed=seed, eval_fraction=0.0,
+        tokenizer="byte-level ids", extra={"task": task_spec(task)},
+    )  # fmt: skip
+    return train, heldout, stats
+
+
+def answer_argmax(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``preprocess_logits_for_metrics``: keep only the argmax (the Trainer would otherwise gather every logit)."""
+    return logits.argmax(dim=-1)
+
+
+def answer_accuracy(eval_prediction) -> dict[str, Any]:
+    """``compute_metrics``: accuracy of the next-token argmax at the answer positions (labels != -100)."""
+    predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
+    predictions, labels = np.asarray(predictions)[:, :-1], np.asarray(labels)[:, 1:]  # position t predicts t + 1
+    answered = labels != IGNORE_INDEX
+    return {"accuracy": float((predictions[answered] == labels[answered]).mean()) if answered.any() else 0.0}
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MQARTask",
+    "SalienceTask",
+    "TASKS",
+    "TaskDataset",
+    "answer_accuracy",
+    "answer_argmax",
+    "heldout_dataset",
+    "parse_task",
+    "task_datasets",
+    "task_spec",
+]

@@ -1,0 +1,180 @@
+"""Synthetic tasks (issue 24): generators checked by brute force, disjoint splits, the accuracy measure on answers
+that are known, the constant-cos control against standard_prior, and ``qkmap compare --task`` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import EvalPrediction
+
+from qkmap_hf.modeling.configuration_qkmap import QKMapConfig
+from qkmap_hf.modeling.modeling_qkmap import QKMapForCausalLM
+from qkmap_hf.training.synthetic import (
+    IGNORE_INDEX,
+    MQARTask,
+    SalienceTask,
+    TaskDataset,
+    answer_accuracy,
+    heldout_dataset,
+    parse_task,
+    task_spec,
+)
+
+from .utils import tiny_config_kwargs
+
+TASK_CASES = [(MQARTask(num_pairs=4), 96), (MQARTask(num_pairs=8, num_queries=3), 64), (SalienceTask(), 48)]
+
+
+def _mqar_answers(task: MQARTask, ids: np.ndarray) -> dict[int, int]:
+    """Brute force: for every key in the query region, the token after its first appearance in the context."""
+    context = len(ids) - 2 * task.queries
+    answers = {}
+    for position in range(context, len(ids), 2):
+        key = ids[position]
+        first = next(i for i in range(context) if ids[i] == key)
+        answers[position + 1] = ids[first + 1]
+    return answers
+
+
+def _salience_answer(task: SalienceTask, ids: np.ndarray) -> int:
+    priority = task.priority()
+    return max(ids[:-2], key=lambda item: priority[item])
+
+
+@pytest.mark.parametrize(("task", "length"), TASK_CASES)
+def test_generators_are_deterministic_and_agree_with_a_brute_force_reference(task, length):
+    dataset = TaskDataset(task, length, count=50, seed=3, split="train")
+    again = TaskDataset(task, length, count=50, seed=3, split="train")
+    for index in range(50):
+        ids, labels = dataset.example(index)
+        assert np.array_equal(ids, again.example(index)[0]) and np.array_equal(labels, again.example(index)[1])
+        assert ids.shape == labels.shape == (length,) and ids.min() >= 0 and ids.max() < 256
+        answered = {int(i): int(labels[i]) for i in np.flatnonzero(labels != IGNORE_INDEX)}
+        if isinstance(task, MQARTask):
+            assert answered == {int(k): int(v) for k, v in _mqar_answers(task, ids).items()}
+            keys = ids[: length - 2 * task.queries]
+            assert (
+                len([t for t in keys if task.filler_vocab <= t < task.filler_vocab + task.key_vocab]) == task.num_pairs
+            )
+        else:
+            assert answered == {length - 1: int(_salience_answer(task, ids))}
+            assert ids[-2] == task.levels  # the query token
+    item = dataset[0]
+    assert item["input_ids"].dtype == torch.int64 and item["labels"].shape == (length,)
+
+
+def test_evidence_depth_and_answer_levels_are_spread():
+    task, length = MQARTask(num_pairs=2), 128
+    depths = []
+    for index in range(400):
+        ids, _ = TaskDataset(task, length, 400, 0, "train").example(index)
+        keys = np.flatnonzero((ids[: length - 4] >= 64) & (ids[: length - 4] < 128))
+        depths.extend(keys.tolist())
+    assert min(depths) < 10 and max(depths) > length - 20  # pairs anywhere in the context
+    salience = SalienceTask(levels=64)
+    levels = {
+        int(salience.priority()[TaskDataset(salience, 32, 300, 0, "train").example(i)[1][-1]]) for i in range(300)
+    }
+    assert min(levels) >= 16 and len(levels) > 40  # the top three quarters of the ranking, most levels reached
+
+
+@pytest.mark.parametrize(("task", "length"), TASK_CASES)
+def test_tuning_and_report_splits_share_no_sequence_with_each_other_or_training(task, length):
+    def fingerprints(split: str, count: int) -> set[bytes]:
+        data = TaskDataset(task, length, count, seed=0, split=split)
+        return {data.example(i)[0].tobytes() for i in range(count)}
+
+    tune, report, train = fingerprints("tune", 200), fingerprints("report", 200), fingerprints("train", 2000)
+    assert len(tune) == 200 and len(report) == 200
+    assert tune.isdisjoint(report) and tune.isdisjoint(train) and report.isdisjoint(train)
+    heldout = heldout_dataset(task, length, 4, seed=0)
+    assert heldout.blocks.shape == (8, length) and (heldout.labels != IGNORE_INDEX).any()
+    assert heldout.subset(slice(0, 4))[0]["labels"].tolist() == heldout.labels[0].tolist()
+
+
+def test_parse_task_and_spec():
+    assert parse_task("mqar:num_pairs=4") == MQARTask(num_pairs=4)
+    assert task_spec(parse_task("salience")) == "salience:levels=128,ranking_seed=0"
+    with pytest.raises(ValueError, match="unknown task 'copy'; choose one of: mqar, salience"):
+        parse_task("copy")
+    with pytest.raises(ValueError, match="pairs not a field of mqar"):
+        parse_task("mqar:pairs=4")
+    with pytest.raises(ValueError, match="cannot hold 40 pairs"):
+        TaskDataset(MQARTask(num_pairs=40), 64, 1, 0, "train")
+
+
+def test_accuracy_of_a_copying_model_is_one_and_of_a_constant_answer_its_share():
+    task, length = MQARTask(num_pairs=4), 64
+    heldout = heldout_dataset(task, length, 32, seed=0)
+    labels = heldout.labels.numpy()
+    # A model that copies the right value: at position t it predicts the label of t + 1.
+    perfect = np.zeros_like(labels)
+    perfect[:, :-1] = np.where(labels[:, 1:] != IGNORE_INDEX, labels[:, 1:], 0)
+    assert answer_accuracy(EvalPrediction(predictions=perfect, label_ids=labels))["accuracy"] == 1.0
+    constant_value = 64 + 64 + 5  # always the same value token
+    constant = np.full_like(labels, constant_value)
+    answers = labels[labels != IGNORE_INDEX]
+    share = float((answers == constant_value).mean())
+    assert answer_accuracy(EvalPrediction(predictions=constant, label_ids=labels))["accuracy"] == pytest.approx(share)
+
+
+def test_constant_cos_control_at_zero_sine_gain_equals_standard_prior():
+    # Content off in both (zero q/k projections in standard_prior, zero sine gains in the control): what is left
+    # is scale * RoPE(c_q) . RoPE(c_k) in both, with c = the control's cos gains.
+    common = tiny_config_kwargs()
+    control = QKMapForCausalLM(
+        QKMapConfig(qk_mode="qk_map", qkmap_cos_block="constant", qkmap_logit_scale=None, **common)
+    )
+    prior = QKMapForCausalLM(QKMapConfig(qk_mode="standard", qk_position_prior="constant", **common))
+    groups = common["num_attention_heads"] // common["num_key_value_heads"]
+    with torch.no_grad():
+        state = {k: v for k, v in control.state_dict().items() if "qk_map" not in k and "q_proj" not in k}
+        prior.load_state_dict(state, strict=False)
+        for a, b in zip(control.model.layers, prior.model.layers, strict=True):
+            feature_map = a.self_attn.qk_map
+            feature_map.query_gain.copy_(torch.randn_like(feature_map.query_gain))
+            feature_map.key_gain.copy_(torch.randn_like(feature_map.key_gain))
+            feature_map.query_gain[:, 1::2] = 0.0  # no sine rows: z reaches nothing
+            feature_map.key_gain[:, 1::2] = 0.0
+            b.self_attn.q_proj.weight.zero_()
+            b.self_attn.k_proj.weight.zero_()
+            b.self_attn.position_prior.query_prior.copy_(feature_map.query_gain[:, 0].repeat_interleave(groups, 0))
+            b.self_attn.position_prior.key_prior.copy_(feature_map.key_gain[:, 0])
+    ids = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        expected = prior.eval()(input_ids=ids).logits
+        got = control.eval()(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    # The constant rows do not depend on z: scaling the queries and keys changes nothing with zero sine gains.
+    with torch.no_grad():
+        for layer in control.model.layers:
+            layer.self_attn.q_proj.weight.mul_(7.0)
+        assert torch.allclose(control(input_ids=ids).logits, expected, atol=1e-5)
+
+
+def test_constant_cos_rows_get_gradients_and_sine_rows_see_z():
+    model = QKMapForCausalLM(QKMapConfig(qkmap_cos_block="constant", **tiny_config_kwargs()))
+    ids = torch.randint(0, 256, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    gain = model.model.layers[0].self_attn.qk_map.key_gain.grad
+    assert gain[:, 0::2].abs().sum() > 0 and gain[:, 1::2].abs().sum() > 0
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_compare_task_logs_answer_accuracy(tmp_path):
+    from qkmap_hf.training.compare import CompareOptions, parse_variant, run_comparison
+
+    options = CompareOptions(
+        output_dir=str(tmp_path / "out"), task="mqar:num_pairs=2", preset="tiny", block_size=32, steps=6, seeds=1,
+        max_eval_blocks=8, variants=[parse_variant("qk_map_constant_cos")], monitor_steps=0,
+    )  # fmt: skip
+    result = run_comparison(options)
+    assert result.summary[0]["mode"] == "qk_map_constant_cos"
+    record = json.loads((tmp_path / "out" / "runs" / "qk_map_constant_cos-seed0" / "qkmap_training.json").read_text())
+    accuracies = [h["eval_accuracy"] for h in record["log_history"] if "eval_accuracy" in h]
+    assert accuracies and all(0.0 <= a <= 1.0 for a in accuracies)
+    assert record["data"]["extra"]["task"].startswith("mqar:num_pairs=2")
