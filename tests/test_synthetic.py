@@ -178,3 +178,43 @@ def test_compare_task_logs_answer_accuracy(tmp_path):
     accuracies = [h["eval_accuracy"] for h in record["log_history"] if "eval_accuracy" in h]
     assert accuracies and all(0.0 <= a <= 1.0 for a in accuracies)
     assert record["data"]["extra"]["task"].startswith("mqar:num_pairs=2")
+
+
+def test_mqar_layout_finds_the_asked_pair_and_the_distractors():
+    from qkmap_hf.task_probes import mqar_layout
+
+    task = MQARTask(num_pairs=4, num_queries=2)
+    ids, labels = TaskDataset(task, 48, 1, 0, "report").example(0)
+    for query, asked, distractors in mqar_layout(task, ids):
+        assert ids[asked] == ids[query] and ids[asked + 1] == labels[query + 1]
+        assert len(distractors) == 3 and asked not in distractors
+
+
+def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(tmp_path):
+    from qkmap_hf.cli import main
+    from qkmap_hf.task_probes import mqar_probes
+    from qkmap_hf.training.data import byte_level_tokenizer
+
+    task = MQARTask(num_pairs=3)
+    results = {}
+    for mode in ("qk_norm", "standard"):
+        torch.manual_seed(0)
+        model = QKMapForCausalLM(QKMapConfig(qk_mode=mode, **tiny_config_kwargs(vocab_size=257)))
+        results[mode] = mqar_probes(model, task, length=32, examples=6, key_scales=(4.0,))
+        model.save_pretrained(tmp_path / mode)
+        byte_level_tokenizer().save_pretrained(tmp_path / mode)
+    qk_norm, standard = (results[m]["evidence_key_scale"]["by_factor"]["4"] for m in ("qk_norm", "standard"))
+    assert max(abs(c) for c in qk_norm["layer_key_mass_change"]) < 1e-5 and qk_norm["answers_changed"] == 0.0
+    assert max(abs(c) for c in standard["layer_key_mass_change"]) > 1e-4
+    contrast = results["standard"]["evidence_contrast"]
+    assert len(contrast["per_head_log2_lift"]) == 2 and len(contrast["per_head_log2_lift"][0]) == 4
+    assert contrast["best_head_log2_lift"] >= contrast["mean_log2_lift"]
+    out = tmp_path / "analysis"
+    code = main(["analyze", str(tmp_path / "qk_norm"), "--compare", str(tmp_path / "standard"), "--task",
+                 "mqar:num_pairs=3", "--task-length", "32", "--task-examples", "6", "--output-dir", str(out)])  # fmt: skip
+    written = json.loads((out / "task_analysis.json").read_text())
+    assert code == 0 and [m["model"] for m in written["models"]] == [
+        str(tmp_path / "qk_norm"),
+        str(tmp_path / "standard"),
+    ]
+    assert written["models"][1]["evidence_contrast"]["mean_log2_lift"] == pytest.approx(contrast["mean_log2_lift"])

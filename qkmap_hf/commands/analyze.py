@@ -44,6 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights dtype (default float32)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--task", help="run the claims' probes on synthetic task sequences instead of text, e.g. mqar:num_pairs=4"
+    )
+    parser.add_argument("--task-length", type=int, default=128, help="task sequence length (default 128)")
+    parser.add_argument(
+        "--task-examples", type=int, default=32, help="task sequences from the report split (default 32)"
+    )
+    parser.add_argument(
+        "--key-scales", type=_floats, default=(0.5, 2.0), help="factors for the evidence key's k_proj (default 0.5,2)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     for model in (args.model, *args.compare):
         require_path("MODEL", model, "checkpoint folder", hub_id_ok=True)
+    if args.task:
+        return run_task(args)
     require_path("--text", args.text, "text file")
     settings = AnalysisSettings(
         scales=args.scales,
@@ -76,6 +88,45 @@ def run(args: argparse.Namespace) -> int:
     for entry in data["models"]:
         print(summary_line(entry))
     print(f"wrote {args.output_dir}/analysis.json and plots")
+    return 0
+
+
+def run_task(args: argparse.Namespace) -> int:
+    """``--task``: ``task_probes`` on every model, into ``OUTPUT_DIR/task_analysis.json``."""
+    from pathlib import Path
+
+    import torch
+
+    from ..analysis import load_for_analysis
+    from ..fileio import atomic_write_json
+    from ..task_probes import mqar_probes
+    from ..training.synthetic import MQARTask, parse_task, task_spec
+
+    task = parse_task(args.task)
+    if not isinstance(task, MQARTask):
+        raise ValueError(f"--task {args.task}: the probes are implemented for mqar only (docs/synthetic-tasks.md).")
+    for name in ("task_length", "task_examples"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive integer.")
+    results = []
+    for path in (args.model, *args.compare):
+        model, _ = load_for_analysis(path, trust_remote_code=args.trust_remote_code, dtype=getattr(torch, args.dtype))
+        entry = mqar_probes(
+            model.to(args.device), task, args.task_length, args.task_examples, args.seed, args.key_scales
+        )
+        entry["model"] = str(path)
+        results.append(entry)
+        scale = ", ".join(
+            f"x{k}: {v['answers_changed']:.2f}" for k, v in entry["evidence_key_scale"]["by_factor"].items()
+        )
+        print(
+            f"{path}: accuracy {entry['accuracy']:.3f}; evidence log2 lift {entry['evidence_contrast']['mean_log2_lift']:+.3f} "
+            f"(best head {entry['evidence_contrast']['best_head_log2_lift']:+.3f}); answers changed by key scale {scale}"
+        )
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "task_analysis.json", {"task": task_spec(task), "models": results})
+    print(f"wrote {out / 'task_analysis.json'}")
     return 0
 
 
