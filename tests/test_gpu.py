@@ -18,10 +18,20 @@ from tests.utils import kl_per_token, tiny_config_kwargs, written_out_features
 DEVICE = os.environ.get("QKMAP_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("mode", ["standard", "qk_norm", "qk_map"])
-def test_bf16_sdpa_close_to_fp32_and_cache_consistent(mode):
+CONFIGS = {
+    "standard": {},
+    "qk_norm": {},
+    "qk_map": {},
+    "qk_map_constant_cos": {"qkmap_cos_block": "constant"},  # issue 24's control: an extra constant path
+    "qk_map_gains_normalized": {"qkmap_gain_treatment": "normalized"},  # issue 19: gains normalized per row
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bf16_sdpa_close_to_fp32_and_cache_consistent(name):
     torch.manual_seed(0)
-    config = QKMapConfig(qk_mode=mode, **tiny_config_kwargs(eos_token_id=None))
+    mode = name if name in ("standard", "qk_norm") else "qk_map"
+    config = QKMapConfig(qk_mode=mode, **CONFIGS[name], **tiny_config_kwargs(eos_token_id=None))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(DEVICE).eval()
     ids = torch.randint(3, 256, (2, 64), device=DEVICE)
     with torch.no_grad():
@@ -67,3 +77,16 @@ def test_wide_keys_sdpa_trains_and_decodes_like_eager():
         )
         expected, got = eager.eval().generate(ids, **settings), sdpa.eval().generate(ids, **settings)
     assert max((a - b).abs().max().item() for a, b in zip(expected.logits, got.logits, strict=True)) < 1e-3
+
+
+def test_training_monitor_probe_on_device_in_bf16_stays_under_its_bound():
+    from qkmap_hf.monitoring import probe
+
+    torch.manual_seed(0)
+    config = QKMapConfig(qk_mode="qk_map", **tiny_config_kwargs(eos_token_id=None))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(DEVICE, torch.bfloat16)
+    record = probe(model, torch.randint(3, 256, (2, 48), device=DEVICE))
+    assert model.config._attn_implementation == "sdpa"
+    for layer in record.layers:
+        assert all(torch.isfinite(torch.tensor(v)) for v in layer.values())
+        assert layer["max_logit"] <= layer["logit_bound"] * (1 + 2e-2)  # bf16 features, float32 logits
