@@ -161,6 +161,14 @@ def _heal(folders, out: Path, *extra: str) -> list[dict]:
     return json.loads((out / "heal.json").read_text())["evaluations"]
 
 
+def test_sham_heal_runs_the_same_pipeline_with_the_phases_kept_linear(folders, tmp_path):
+    # The sham-heal control of docs/healing.md: --alpha 0.05 (p90 phase 0.05 rad, block 1 at 0.1) runs every step of
+    # the pipeline (schedules, switch-on, distillation) but never leaves the linear regime.
+    rows = _heal(folders, tmp_path / "sham", "--alpha", "0.05")
+    assert {row["regime"] for row in rows} == {"linear"}
+    assert max(rows[-1]["phase_p90"]) < phases.LINEAR_PHASE_P90 and min(rows[-1]["cos_energy_share"]) > 0.0
+
+
 @pytest.mark.slow
 def test_heal_runs_the_whole_schedule_resumes_identically_and_reloads_without_qkmap_hf(folders, tmp_path):
     rows = _heal(folders, tmp_path / "full")
