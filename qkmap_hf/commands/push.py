@@ -17,6 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="validate only; upload nothing")
 
 
+def output_folder(args: argparse.Namespace) -> str:
+    """The folder whose writer lock the run holds (``qkmap_hf.cli``): no one writes it while it uploads."""
+    return args.model
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate, then upload; refusals (a failed validation included, exit code 1) go through ``cli.main``."""
     from ..hub import PushValidationError, check_repo_id, files_to_upload, push_to_hub, validate_for_push
