@@ -370,6 +370,16 @@ def heal(
     """
     teacher = load_teacher(heal_options.teacher)
     registry: dict[str, HealTrainer] = {}
+    out = Path(options.output_dir)
+
+    def finalize(folder: Path) -> None:  # inside train's staged final save: in OUT only once all is written
+        trainer = registry["trainer"]
+        if trainer.rows:
+            write_rows(folder, trainer.rows)
+        if (out / "README.md").is_file():  # so that the card writer refuses a hand-written one as before
+            atomic_copy(out / "README.md", folder / "README.md")
+        _write_provenance(folder, options, heal_options, trainer, name=out.resolve().name)
+
     result = train(
         options,
         datasets=datasets,
@@ -383,17 +393,17 @@ def heal(
             "registry": registry,
             "extra_schedules": extra_schedules,
         },
+        command="qkmap heal",
+        finalize=finalize,
     )
-    trainer = registry["trainer"]
-    out = Path(options.output_dir)
-    if trainer.rows and trainer.is_world_process_zero():
-        write_rows(out, trainer.rows)
-    _write_provenance(out, options, heal_options, trainer)
     return result
 
 
-def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOptions, trainer: HealTrainer) -> None:
-    if not trainer.is_world_process_zero() or not (out / "config.json").exists():
+def _write_provenance(
+    out: Path, options: TrainOptions, heal_options: HealOptions, trainer: HealTrainer, name: str | None = None
+) -> None:
+    """The conversion record (copied), the healing record and the card (named ``name``) into ``out``."""
+    if not (out / "config.json").exists():
         return
     converted = Path(options.model) / PROVENANCE_FILES["conversion"]
     if converted.exists() and not (out / converted.name).exists():
@@ -411,7 +421,7 @@ def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOption
     ).save(out)
     from ..cards import write_model_card
 
-    write_model_card(out)
+    write_model_card(out, model_name=name)
 
 
 __all__ = ["HealOptions", "HealTrainer", "distillation_kl", "heal", "load_teacher", "set_gain_parametrization"]
