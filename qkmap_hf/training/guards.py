@@ -215,14 +215,19 @@ def state_bytes(model: Any, optimizer: Any = None) -> int:
     return total
 
 
-def save_failed(folder: str | Path, error: BaseException, needed: int, what: str = "checkpoint") -> SaveFailedError:
-    """One line for a failed save into ``folder``: the cause (with the file at fault), and for a full disk the
-    space needed and free, and how to go on."""
+def save_failed(
+    folder: str | Path, error: BaseException, needed: int, what: str = "checkpoint", staged: Path | None = None
+) -> SaveFailedError:
+    """One line for a failed save into ``folder``: the cause (with the file at fault, named in ``folder`` rather
+    than in the hidden ``staged`` folder it was written to), for a full disk the space needed and free, and how to
+    go on."""
     folder = Path(folder)
     if isinstance(error, OSError) and error.filename is not None and error.strerror:
         cause = f"{error.filename}: {error.strerror}"
     else:
         cause = " ".join(str(error).split()) or type(error).__name__
+    if staged is not None:
+        cause = cause.replace(str(staged), str(folder))
     message = f"could not save the {what} {folder}: {cause}"
     code = getattr(error, "errno", None)
     if _is_full_disk(error):

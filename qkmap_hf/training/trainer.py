@@ -420,14 +420,16 @@ def train(
         _write_provenance(folder / PROVENANCE_FILE, *record)
 
     if save and trainer.is_world_process_zero():
+        staged: list[Path] = []
         try:  # weights, tokenizer and record into a hidden folder; moved into OUT only once complete
             with staged_folder(out, drop=replaced_by(out, command)) as staging:
+                staged.append(staging)
                 _final_save(trainer, model, tokenizer, options, staging)
                 write_provenance(staging)
                 if finalize is not None:
                     finalize(staging)
         except (OSError, SafetensorError) as error:
-            raise save_failed(out, error, state_bytes(model), what="model") from error
+            raise save_failed(out, error, state_bytes(model), "model", staged[0] if staged else None) from error
     elif save:  # other ranks take part in gathering the weights (FSDP); rank 0 writes
         _final_save(trainer, model, tokenizer, options, out)
     if trainer.is_world_process_zero():
