@@ -33,8 +33,8 @@ class FolderLockedError(ValueError):
 
 
 def lock_path(folder: str | os.PathLike) -> Path:
-    """``.NAME.qkmap-lock`` beside ``folder``."""
-    folder = Path(folder).expanduser().absolute()
+    """``.NAME.qkmap-lock`` beside ``folder`` (resolved: two spellings of one folder share one lock)."""
+    folder = Path(folder).expanduser().resolve()
     return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
 
 
@@ -71,7 +71,7 @@ def output_lock(folder: str | os.PathLike, command: str = "qkmap") -> Iterator[P
     """Hold the writer's lock of ``folder`` for the block; ``FolderLockedError`` naming the holder's pid if another
     process holds it. Yields the lock file, or ``None`` where none can be created (a read-only location: the
     command then fails, or only reads, on its own)."""
-    folder = Path(folder).expanduser().absolute()
+    folder = Path(folder).expanduser().resolve()
     path = lock_path(folder)
     while True:
         try:
@@ -110,7 +110,7 @@ def output_lock(folder: str | os.PathLike, command: str = "qkmap") -> Iterator[P
 def stale_temporaries(folder: str | os.PathLike) -> list[tuple[Path, int | None]]:
     """Hidden ``.NAME.tmp-*`` / ``.NAME.old-*`` entries beside ``folder`` whose writer is not alive, with its pid
     (``None``: a name from before pids were recorded). Meaningful only while holding ``output_lock``."""
-    folder = Path(folder).expanduser().absolute()
+    folder = Path(folder).expanduser().resolve()
     if not folder.parent.is_dir():
         return []
     pattern = re.compile(rf"^\.{re.escape(folder.name)}\.(?:{'|'.join(_TEMP_KINDS)})-(?:(\d+)-)?")
@@ -129,7 +129,7 @@ def stale_temporaries(folder: str | os.PathLike) -> list[tuple[Path, int | None]
 def remove_stale_temporaries(folder: str | os.PathLike, command: str = "qkmap") -> list[Path]:
     """Delete what dead runs left beside ``folder`` (see the module docstring), one line on stderr for each; a
     folder moved aside (``.old-``) whose replacement never arrived is put back instead. Call under the lock."""
-    folder = Path(folder).expanduser().absolute()
+    folder = Path(folder).expanduser().resolve()
     handled = []
     for entry, pid in stale_temporaries(folder):
         owner = f"pid {pid}" if pid is not None else "an earlier run"

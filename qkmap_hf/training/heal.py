@@ -368,16 +368,17 @@ def heal(
     ``extra_schedules``: more ``Schedule`` objects (``schedules.py``), applied after the phase and switch-on ones and
     checkpointed alike (e.g. a QK-Norm annealing schedule).
     """
+    from ..cards import check_card_replaceable
+
+    out = Path(options.output_dir)
+    check_card_replaceable(out)  # before the run, not after it (the card is part of the final save)
     teacher = load_teacher(heal_options.teacher)
     registry: dict[str, HealTrainer] = {}
-    out = Path(options.output_dir)
 
     def finalize(folder: Path) -> None:  # inside train's staged final save: in OUT only once all is written
         trainer = registry["trainer"]
         if trainer.rows:
             write_rows(folder, trainer.rows)
-        if (out / "README.md").is_file():  # so that the card writer refuses a hand-written one as before
-            atomic_copy(out / "README.md", folder / "README.md")
         _write_provenance(folder, options, heal_options, trainer, name=out.resolve().name)
 
     result = train(
