@@ -167,8 +167,13 @@ def hub_session(timeout: str | float | None = None) -> Iterator[tuple[float, flo
     try:
         yield connect, read
     except httpx.TimeoutException as error:
+        try:
+            url = error.request.url
+            where = f" at {url.scheme}://{url.netloc.decode()} ({error.request.method} {url.path})"
+        except RuntimeError:  # an exception raised without its request
+            where = ""
         raise HubTimeoutError(
-            f"the endpoint did not answer within the timeouts (connect {connect:g} s, read {read:g} s; "
+            f"the endpoint{where} did not answer within the timeouts (connect {connect:g} s, read {read:g} s; "
             f"{type(error).__name__}: {' '.join(str(error).split()) or 'no answer'}); check the connection and "
             f"HF_ENDPOINT, or allow longer with --timeout / {TIMEOUT_ENV}."
         ) from error

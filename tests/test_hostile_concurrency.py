@@ -23,7 +23,8 @@ from qkmap_hf.tasks import data_file
 from .eval_utils import build_tokenizer, save_tiny_model
 from .hostile import assert_refused, run_cli, tiny_llama, tree_digest
 
-TRAIN_FLAGS = ("--block-size", "32", "--batch-size", "2", "--disable-tqdm", "--no-eval-on-start", "--eval-fraction", "0")
+TRAIN_FLAGS = ("--block-size", "32", "--batch-size", "2", "--disable-tqdm", "--no-eval-on-start")
+TRAIN_FLAGS += ("--eval-fraction", "0")  # no held-out evaluation: these runs test saving, not training
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 _HOLD_LOCK = """

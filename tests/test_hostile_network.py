@@ -129,7 +129,7 @@ def test_an_endpoint_that_never_answers_times_out_in_one_line(how, folder, silen
     assert_refused(
         code,
         err,
-        "the endpoint did not answer within the timeouts",
+        f"the endpoint at {silent_endpoint} (POST /api/validate-yaml) did not answer within the timeouts",
         "read 1 s",
         "ReadTimeout",
         "--timeout / QKMAP_HUB_TIMEOUT",
