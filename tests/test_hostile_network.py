@@ -102,7 +102,7 @@ def impostor(monkeypatch):
 
     def start(status: int, body: bytes, content_type: str | None) -> str:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _serving(status, body, content_type))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
         url = f"http://127.0.0.1:{server.server_address[1]}"
         _use_endpoint(monkeypatch, url)
