@@ -79,8 +79,12 @@ def staged_folder(folder: str | os.PathLike, drop: Callable[[Path], bool] = lamb
         yield staging
         folder.mkdir(exist_ok=True)
         for entry in sorted(folder.iterdir()):
-            if not (staging / entry.name).exists() and drop(entry):
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            if (staging / entry.name).exists() or not drop(entry):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
         for entry in sorted(staging.iterdir()):
             target = folder / entry.name
             if target.is_dir() and not target.is_symlink():

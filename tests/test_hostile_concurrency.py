@@ -344,3 +344,17 @@ def test_sigterm_during_training_exits_143_and_leaves_no_temporaries(work):
     assert not lock_path(out).exists()
     assert not [p for p in work.iterdir() if p.name.startswith(".out.")]
     assert not (out / "model.safetensors").exists()
+
+
+def test_a_full_disk_reported_by_safetensors_as_text_is_recognised(tmp_path):
+    """safetensors' Rust writer reports ENOSPC as a SafetensorError whose text carries the OS error."""
+    from safetensors import SafetensorError
+
+    from qkmap_hf.training.guards import save_failed
+
+    error = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    message = str(save_failed(tmp_path / "out" / "checkpoint-7", error, 2_500_000))
+    assert message.startswith(f"could not save the checkpoint {tmp_path / 'out' / 'checkpoint-7'}: Error while")
+    assert "it needs about 2.5 MB free on that disk" in message and "Run again with --resume" in message
+    other = str(save_failed(tmp_path / "out", PermissionError(13, "Permission denied", str(tmp_path)), 1, "model"))
+    assert "Permission denied" in other and "needs about" not in other and "left as it was" in other
