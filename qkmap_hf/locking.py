@@ -73,6 +73,7 @@ def output_lock(folder: str | os.PathLike, command: str = "qkmap") -> Iterator[P
     command then fails, or only reads, on its own)."""
     folder = Path(folder).expanduser().resolve()
     path = lock_path(folder)
+    created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # deepest first
     while True:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +106,11 @@ def output_lock(folder: str | os.PathLike, command: str = "qkmap") -> Iterator[P
         with contextlib.suppress(OSError):
             path.unlink()
         os.close(fd)  # releases the flock
+        for parent in created:  # folders made only to hold the lock file (a refused command leaves none)
+            try:
+                parent.rmdir()
+            except OSError:  # not empty: the command wrote there
+                break
 
 
 def stale_temporaries(folder: str | os.PathLike) -> list[tuple[Path, int | None]]:

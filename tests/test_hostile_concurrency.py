@@ -139,6 +139,18 @@ def test_a_second_open_file_in_the_same_process_is_refused_too(work):
         pass
 
 
+def test_a_refused_command_leaves_no_folders_made_for_its_lock(work, capsys):
+    before = tree_digest(work)
+    code, _, err = run_cli(capsys, "convert", work / "missing-source", work / "new" / "nested" / "dst")
+    assert code == 2, err
+    assert not (work / "new").exists()
+    assert tree_digest(work) == before
+    code, _, err = run_cli(capsys, "convert", work / "llama", work / "new" / "nested" / "dst", "--no-progress")
+    assert code == 0, err
+    assert (work / "new" / "nested" / "dst" / "config.json").is_file()
+    assert sorted(p.name for p in (work / "new" / "nested").iterdir()) == ["dst"]  # no lock file left
+
+
 def _fake_heal_output(work: Path) -> Path:
     """A folder as `qkmap heal` leaves it: weights, training and healing records, card."""
     heal = work / "healed"
