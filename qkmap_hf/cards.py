@@ -422,6 +422,18 @@ def render_model_card(
     return card
 
 
+def check_card_replaceable(model_dir: str | Path) -> None:
+    """``FileExistsError`` if ``model_dir/README.md`` is not a card of ours (hand-written): it is kept. Checked by
+    ``qkmap heal`` before training too, so that a card it may not replace does not cost the run."""
+    readme = Path(model_dir) / "README.md"
+    old_text = readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else GENERATED_MARKER
+    if GENERATED_MARKER not in old_text:
+        raise FileExistsError(
+            f"{readme} was not written by qkmap card (hand-written?) and is kept; move it aside, or pass "
+            "--overwrite (overwrite=True) to replace it."
+        )
+
+
 def write_model_card(
     model_dir: str | Path,
     *,
@@ -448,12 +460,8 @@ def write_model_card(
     """
     model_dir = Path(model_dir)
     readme = model_dir / "README.md"
-    old_text = readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else GENERATED_MARKER
-    if not overwrite and GENERATED_MARKER not in old_text:
-        raise FileExistsError(
-            f"{readme} was not written by qkmap card (hand-written?) and is kept; move it aside, or pass "
-            "--overwrite (overwrite=True) to replace it."
-        )
+    if not overwrite:
+        check_card_replaceable(model_dir)
     card = render_model_card(
         model_dir,
         provenance=provenance,

@@ -11,6 +11,11 @@ Modules load only when their command runs, so ``qkmap --help`` stays fast.
 validation, whose message lists every problem on its own line): the project's errors
 (``ValueError`` subclasses such as ``ConversionError``), file-system errors (``OSError``: missing file, full disk,
 permission) and network errors. ``--debug`` (or ``QKMAP_DEBUG=1``) shows the traceback instead.
+
+A command that writes or publishes a folder names it with ``output_folder(args)``; ``main`` holds that folder's
+writer lock for the run (``qkmap_hf.locking``: a second writer refuses naming the first one's pid) and removes what
+dead runs left beside it. SIGTERM (timeouts, containers, schedulers) is handled like Ctrl-C: the same clean-up
+(temporary folders removed, the lock released), one line, and exit code 143 (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
+import threading
 import traceback
 from importlib import import_module
 
@@ -41,6 +48,15 @@ COMMANDS: dict[str, str] = {
 DEBUG_ENV = "QKMAP_DEBUG"
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that every clean-up that Ctrl-C runs runs for it too."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def _command_module(name: str):
@@ -146,11 +162,16 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     debug = _take_debug_flag(argv) or debug
     command = f"qkmap {argv[0]}" if argv and argv[0] in COMMANDS else "qkmap"
     command = prog or command
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
     try:
         return _dispatch(argv, {argv[0]: prog} if prog and argv else None)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         if debug:
             traceback.print_exc()
+        if isinstance(error, Terminated):
+            print(f"{command}: terminated (SIGTERM); temporary files removed.", file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"{command}: interrupted.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except refusal_types() as error:
@@ -160,6 +181,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         if not debug:
             print(f"{command}: (run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
         return getattr(error, "exit_code", EXIT_REFUSED)  # a push validation report exits 1
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _dispatch(argv: list[str], progs: dict[str, str] | None = None) -> int:
@@ -170,7 +194,12 @@ def _dispatch(argv: list[str], progs: dict[str, str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(_command_module(args.command).run(args) or 0)
+    from .locking import claim_output
+
+    module = _command_module(args.command)
+    folder = module.output_folder(args) if hasattr(module, "output_folder") else None
+    with claim_output(folder, f"qkmap {args.command}"):
+        return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

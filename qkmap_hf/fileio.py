@@ -2,7 +2,10 @@
 
 Every JSON, README, CSV, plot and copied file that qkmap_hf writes goes through these helpers
 (tests/test_fileio.py greps the package for raw writes). The one mechanism is ``atomic_path``: write to a
-temporary file beside the target, rename it into place only when the write succeeded.
+temporary file beside the target, rename it into place only when the write succeeded. ``staged_folder`` does
+the same for a whole save (``qkmap train``'s final model): everything is written into a hidden folder beside the
+target, and only a complete save is moved in (renames, which need no space), so a full disk or a kill mid-save
+leaves the old folder as it was.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from .locking import hidden_temp_prefix
 
 
 @contextmanager
@@ -60,3 +65,30 @@ def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     with atomic_path(target) as tmp:
         shutil.copyfile(source, tmp)
     return Path(target)
+
+
+@contextmanager
+def staged_folder(folder: str | os.PathLike, drop: Callable[[Path], bool] = lambda entry: False) -> Iterator[Path]:
+    """A hidden folder beside ``folder`` (``.NAME.tmp-PID-*``) to save into; when the block succeeds its entries
+    replace those of the same name in ``folder`` and the entries of ``folder`` for which ``drop`` is true (files of
+    the model being replaced) are removed; entries it does not name (checkpoints) stay. On failure it vanishes."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=hidden_temp_prefix(folder), dir=folder.parent))
+    try:
+        yield staging
+        folder.mkdir(exist_ok=True)
+        for entry in sorted(folder.iterdir()):
+            if (staging / entry.name).exists() or not drop(entry):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        for entry in sorted(staging.iterdir()):
+            target = folder / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

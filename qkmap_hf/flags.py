@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -166,3 +166,15 @@ def bare_switches_as_true(args: list[str], switches: set[str]) -> list[str]:
             arg = f"{arg}=true"
         rewritten.append(arg)
     return rewritten
+
+
+@dataclass
+class OverwriteFlag:
+    """``--overwrite`` of the commands whose output folder may hold another command's model (train, heal, compare).
+
+    Kept apart from their options so that it is not recorded as a training setting."""
+
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "write into an output folder another qkmap command wrote (e.g. a heal folder), replacing it"},
+    )

@@ -15,14 +15,23 @@
 ``push_to_hub`` refuses (``PushValidationError``, nothing created or uploaded) when any check fails, then uses
 ``HfApi.create_repo`` and ``HfApi.upload_folder`` with huggingface_hub's usual token (``token=``, ``HF_TOKEN``,
 ``hf auth login``) and endpoint (``HF_ENDPOINT``) settings.
+
+Every request of a push runs under ``hub_session``: connect and read timeouts (``QKMAP_HUB_TIMEOUT``, seconds:
+``READ`` or ``CONNECT,READ``, default 10,60; ``qkmap push --timeout``), so an endpoint that accepts the connection
+and never answers fails in one line (``HubTimeoutError``) instead of hanging; and an API answer that is not the
+Hub's (an HTML page, an empty body, a proxy's bare error page) is named as such (``NotTheHubError``) instead of
+being read as the Hub's verdict on the card.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import subprocess
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +80,105 @@ _CLEAN_LOAD = textwrap.dedent(
     print(json.dumps(report))
     """
 )
+
+
+TIMEOUT_ENV = "QKMAP_HUB_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_READ_TIMEOUT_S = 60.0
+_API_PATH = re.compile(r"/api/|/info/lfs/objects/batch$")
+
+
+class NotTheHubError(ValueError):
+    """The endpoint answered, but not as the Hugging Face Hub does (a proxy, a captive portal, a wrong URL)."""
+
+
+class HubTimeoutError(TimeoutError):
+    """The endpoint did not answer within the timeouts; ``str()`` is the whole message."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "timed out"
+
+
+def hub_timeouts(timeout: str | float | None = None) -> tuple[float, float]:
+    """``(connect, read)`` seconds: ``timeout`` (``READ`` or ``CONNECT,READ``), else ``QKMAP_HUB_TIMEOUT``, else
+    the defaults. ``ValueError`` naming the setting for anything but positive finite numbers."""
+    source = "--timeout" if timeout is not None else TIMEOUT_ENV
+    text = str(timeout if timeout is not None else os.environ.get(TIMEOUT_ENV, "")).strip()
+    if not text:
+        return DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(0 < v < float("inf") for v in values):
+        raise ValueError(f"{source} {text!r}: give seconds as READ or CONNECT,READ (positive numbers), e.g. 10,60.")
+    return (min(DEFAULT_CONNECT_TIMEOUT_S, values[0]), values[0]) if len(values) == 1 else (values[0], values[1])
+
+
+def _not_the_hub(response) -> str | None:
+    """Why an API response cannot be the Hub's (``None``: it may be): HTML, or an empty body where JSON belongs."""
+    if not _API_PATH.search(response.request.url.path):
+        return None
+    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    body = response.read()
+    if kind in ("text/html", "application/xhtml+xml") or body.lstrip()[:15].lower().startswith(
+        (b"<!doctype", b"<html")
+    ):
+        return f"HTTP {response.status_code} with an HTML page ({kind or 'no content type'})"
+    hub_error = any(name.lower().startswith("x-error") for name in response.headers)
+    if not body.strip() and not hub_error and (response.status_code >= 400 or response.request.method == "POST"):
+        return f"HTTP {response.status_code} with an empty body"
+    return None
+
+
+def _check_answer(response) -> None:
+    """httpx response hook: ``NotTheHubError`` for an answer that is not the Hub's."""
+    reason = _not_the_hub(response)
+    if reason is not None:
+        url = response.request.url
+        raise NotTheHubError(
+            f"the endpoint at {url.scheme}://{url.netloc.decode()} did not answer like the Hugging Face Hub: "
+            f"{reason} for {response.request.method} {url.path}. Check HF_ENDPOINT and any proxy in between."
+        )
+
+
+@contextlib.contextmanager
+def hub_session(timeout: str | float | None = None) -> Iterator[tuple[float, float]]:
+    """huggingface_hub's shared HTTP client, for the block, with connect/read timeouts and ``_check_answer``;
+    the previous client factory afterwards. Yields ``(connect, read)``."""
+    connect, read = hub_timeouts(timeout)
+    try:
+        import httpx2 as httpx
+    except ImportError:  # pragma: no cover - huggingface_hub < 2 (requests): its own timeouts apply
+        yield connect, read
+        return
+    from huggingface_hub.utils import _http
+
+    previous = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+
+    def factory():
+        client = previous()
+        client.timeout = httpx.Timeout(read, connect=connect)
+        hooks = client.event_hooks
+        client.event_hooks = {**hooks, "response": [*hooks.get("response", []), _check_answer]}
+        return client
+
+    _http.set_client_factory(factory)
+    try:
+        yield connect, read
+    except httpx.TimeoutException as error:
+        try:
+            url = error.request.url
+            where = f" at {url.scheme}://{url.netloc.decode()} ({error.request.method} {url.path})"
+        except RuntimeError:  # an exception raised without its request
+            where = ""
+        raise HubTimeoutError(
+            f"the endpoint{where} did not answer within the timeouts (connect {connect:g} s, read {read:g} s; "
+            f"{type(error).__name__}: {' '.join(str(error).split()) or 'no answer'}); check the connection and "
+            f"HF_ENDPOINT, or allow longer with --timeout / {TIMEOUT_ENV}."
+        ) from error
+    finally:
+        _http.set_client_factory(previous)
 
 
 class PushRefusedError(ValueError):
@@ -281,25 +389,38 @@ def push_to_hub(
     token: str | None = None,
     endpoint: str | None = None,
     load_check: bool = True,
+    timeout: str | float | None = None,
 ):
     """Validate ``folder``, then create ``repo_id`` (if needed) and upload the folder in one commit.
 
     Returns huggingface_hub's ``CommitInfo``. Raises ``PushValidationError`` (nothing uploaded) when the folder
-    fails validation or the Hub rejects the card metadata.
+    fails validation or the Hub rejects the card metadata, ``HubTimeoutError`` when the endpoint does not answer
+    within ``timeout`` (see ``hub_timeouts``), ``NotTheHubError`` when something else answers in its place.
     """
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import constants
 
     check_repo_id(repo_id)
+    hub_timeouts(timeout)  # a bad setting is refused before the slow checks
     if constants.is_offline_mode():
         raise PushRefusedError("HF_HUB_OFFLINE is set, so huggingface_hub makes no requests; unset it to push.")
     problems = validate_for_push(folder, load_check=load_check)
     if problems:
         raise PushValidationError(folder, problems)
+    with hub_session(timeout):
+        return _upload(folder, repo_id, private, revision, commit_message, token, endpoint)
+
+
+def _upload(folder, repo_id, private, revision, commit_message, token, endpoint):
+    """The requests of ``push_to_hub``, after validation (inside ``hub_session``)."""
+    from huggingface_hub import HfApi, constants
+
     api = HfApi(endpoint=endpoint, token=token)
     validate_yaml = getattr(api, "_validate_yaml", None)  # the Hub's own metadata check, before the repo exists
     if validate_yaml is not None:
         try:
             validate_yaml((Path(folder) / "README.md").read_text(encoding="utf-8"), repo_type="model", token=token)
+        except NotTheHubError:
+            raise
         except ValueError as error:
             raise PushValidationError(folder, [f"the Hub rejects the README.md metadata: {error}"]) from error
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
@@ -316,10 +437,14 @@ def push_to_hub(
 
 
 __all__ = [
+    "HubTimeoutError",
+    "NotTheHubError",
     "PushValidationError",
     "check_repo_id",
     "clean_load_check",
     "files_to_upload",
+    "hub_session",
+    "hub_timeouts",
     "push_to_hub",
     "validate_for_push",
 ]

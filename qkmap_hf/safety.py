@@ -4,6 +4,8 @@
   Loading a pickle can run arbitrary code; this package never unpickles.
 - ``check_overwrite_target``: may ``--overwrite`` replace this folder? Never the working folder (or a parent of
   it), a parent of the source, the home folder, or a folder that is not a model folder.
+- ``folder_writer`` / ``check_writer``: which qkmap command wrote a folder (its provenance record), so that no
+  command replaces another's output without ``--overwrite``.
 - ``read_text_file``: the text of a training file, refused with its name when it is binary or not UTF-8.
 """
 
@@ -124,6 +126,41 @@ def is_model_folder(folder: Path) -> bool:
         return True
     return (
         any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")) or any(folder.glob("*.gguf"))
+    )
+
+
+# The record each command leaves, most specific first: a heal folder also holds the training record (heal is
+# train plus more) and a copy of the conversion record.
+WRITER_RECORDS = (
+    ("qkmap heal", "qkmap_healing.json"),
+    ("qkmap train", "qkmap_training.json"),
+    ("qkmap convert", "qkmap_conversion.json"),
+    ("qkmap compare", "compare.json"),
+    ("qkmap compare", "summary.json"),
+)
+
+
+def folder_writer(folder: str | os.PathLike) -> tuple[str, str] | None:
+    """``(command, record file)`` of the qkmap command that wrote ``folder``, or ``None`` (new, empty, foreign)."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        return None
+    for command, record in WRITER_RECORDS:
+        if (folder / record).is_file():
+            return command, record
+    return None
+
+
+def check_writer(folder: str | os.PathLike, command: str, *, overwrite: bool, option: str = "--output-dir") -> None:
+    """Refuse (``ValueError``) to write into a folder another qkmap command wrote, unless ``overwrite``: a train
+    into a heal folder would replace the healed weights and leave the heal card describing a model that is gone."""
+    found = folder_writer(folder)
+    if found is None or found[0] == command or overwrite:
+        return
+    writer, record = found
+    raise ValueError(
+        f"{option} {folder} holds the output of `{writer}` ({record}); `{command}` does not replace it without "
+        "--overwrite. Choose a new folder, or pass --overwrite to replace it."
     )
 
 

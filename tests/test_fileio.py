@@ -29,6 +29,7 @@ ALLOWED = {
     ("assets.py", "open for writing"): "extracts into a staging folder that is renamed into the cache when complete",
     ("assets.py", "write_bytes"): "extracts into a staging folder that is renamed into the cache when complete",
     ("conversion/writer.py", "os.open for writing"): "streams safetensors into the staging folder renamed at the end",
+    ("locking.py", "os.open for writing"): "the lock file: flock needs the file itself; it holds only the pid",
 }
 
 
@@ -64,3 +65,25 @@ def test_text_csv_and_copy_round_trip(tmp_path):
     atomic_copy(tmp_path / "rows.csv", tmp_path / "copy.csv")
     assert (tmp_path / "README.md").read_text() == "# title\n"
     assert (tmp_path / "copy.csv").read_text().splitlines() == ["mode,loss", "qk_map,1.5"]
+
+
+def test_a_staged_folder_replaces_only_when_complete(tmp_path):
+    from qkmap_hf.fileio import staged_folder
+
+    out = tmp_path / "out"
+    (out / "checkpoint-1").mkdir(parents=True)
+    (out / "checkpoint-1" / "state.json").write_text("{}")
+    (out / "model.safetensors").write_bytes(b"old weights")
+    (out / "old-shard.safetensors").write_bytes(b"old shard")
+    with pytest.raises(OSError), staged_folder(out) as staging:
+        (staging / "model.safetensors").write_bytes(b"new wei")
+        raise OSError(28, "No space left on device")
+    assert (out / "model.safetensors").read_bytes() == b"old weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no hidden staging folder left
+    with staged_folder(out, drop=lambda entry: entry.suffix == ".safetensors") as staging:
+        assert staging.parent == tmp_path and staging.name.startswith(".out.tmp-")
+        (staging / "model.safetensors").write_bytes(b"new weights")
+    assert (out / "model.safetensors").read_bytes() == b"new weights"
+    assert not (out / "old-shard.safetensors").exists()  # dropped: not part of the new save
+    assert (out / "checkpoint-1" / "state.json").read_text() == "{}"  # not named by the save: kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

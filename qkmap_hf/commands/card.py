@@ -18,6 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace a README.md not written by qkmap card")
 
 
+def output_folder(args: argparse.Namespace) -> str:
+    """The folder whose writer lock the run holds (``qkmap_hf.cli``)."""
+    return args.model
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cards import write_model_card
     from .paths import require_path

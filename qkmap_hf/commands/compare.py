@@ -35,15 +35,22 @@ class TuningFlags:
 
 
 def option_classes() -> tuple[type, ...]:
+    from ..flags import OverwriteFlag
     from ..training.compare import CompareOptions
 
-    return (CompareOptions, TuningFlags)
+    return (CompareOptions, TuningFlags, OverwriteFlag)
+
+
+def output_folder(args: argparse.Namespace) -> str:
+    """The folder whose writer lock the run holds (``qkmap_hf.cli``)."""
+    return args.output_dir
 
 
 def run(args: argparse.Namespace) -> int:
     import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
 
     from ..flags import options_from_namespace
+    from ..safety import check_writer
     from ..training.compare import CompareOptions, run_comparison
     from .paths import require_path, require_paths
 
@@ -57,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         require_paths("--data", args.data)
+    check_writer(args.output_dir, "qkmap compare", overwrite=args.overwrite)
     counts = ("steps", "seeds", "block_size", "batch_size", "eval_steps", "logging_steps", "max_tokens")
     for name in counts:  # the library reads a missing count as "the default"; 0 must not become that silently
         value = getattr(args, name)

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def output_folder(args: argparse.Namespace) -> str:
+    """The folder whose writer lock the run holds (``qkmap_hf.cli``)."""
+    return args.dst
+
+
 def run(args: argparse.Namespace) -> int:
     from ..conversion import convert_checkpoint
 

@@ -12,10 +12,16 @@ HELP = "Heal a converted QK-MAP checkpoint into the periodic regime (phase sched
 
 
 def option_classes() -> tuple[type, ...]:
+    from ..flags import OverwriteFlag
     from ..training.heal import HealOptions
     from ..training.options import TrainOptions
 
-    return (TrainOptions, HealOptions)
+    return (TrainOptions, HealOptions, OverwriteFlag)
+
+
+def output_folder(args: argparse.Namespace) -> str:
+    """The folder whose writer lock the run holds (``qkmap_hf.cli``)."""
+    return args.output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +41,12 @@ def run(args: argparse.Namespace) -> int:
     import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
 
     from ..flags import options_from_namespace
+    from ..safety import check_writer
     from ..training.heal import HealOptions, heal
     from ..training.options import TrainOptions
 
     args.model = args.converted
+    check_writer(args.output_dir, "qkmap heal", overwrite=args.overwrite)
     result = heal(options_from_namespace(TrainOptions, args), options_from_namespace(HealOptions, args))
     if int(os.environ.get("RANK", "0")) == 0:
         loss = result.eval_metrics.get("eval_loss")

@@ -15,6 +15,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-message", help="commit title")
     parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
     parser.add_argument("--dry-run", action="store_true", help="validate only; upload nothing")
+    parser.add_argument(
+        "--timeout",
+        metavar="[CONNECT,]READ",
+        help="seconds to wait for the Hub to connect and to answer each request (default: QKMAP_HUB_TIMEOUT, "
+        "else 10,60)",
+    )
+
+
+def output_folder(args: argparse.Namespace) -> str:
+    """The folder whose writer lock the run holds (``qkmap_hf.cli``): no one writes it while it uploads."""
+    return args.model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         revision=args.revision,
         commit_message=args.commit_message,
         token=args.token,
+        timeout=args.timeout,
     )
     print(f"pushed {args.model} to {args.repo_id}: {info.commit_url}")
     return 0

@@ -13,9 +13,15 @@ HELP = "Train a size preset from scratch or up-train a checkpoint (Trainer; DDP/
 
 
 def option_classes() -> tuple[type, ...]:
+    from ..flags import OverwriteFlag
     from ..training.options import TrainOptions
 
-    return (TrainOptions,)
+    return (TrainOptions, OverwriteFlag)
+
+
+def output_folder(args: argparse.Namespace) -> str:
+    """The folder whose writer lock the run holds (``qkmap_hf.cli``)."""
+    return args.output_dir
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -36,9 +42,11 @@ def run(args: argparse.Namespace) -> int:
     import qkmap_hf  # noqa: F401  (registers model_type "qkmap" with the Auto classes)
 
     from ..flags import options_from_namespace
+    from ..safety import check_writer
     from ..training.trainer import TrainOptions, train
 
     check_paths(args)
+    check_writer(args.output_dir, "qkmap train", overwrite=args.overwrite)
     result = train(options_from_namespace(TrainOptions, args))
     eval_loss = result.eval_metrics.get("eval_loss")
     summary = f"saved to {result.output_dir}"

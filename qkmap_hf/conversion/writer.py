@@ -26,6 +26,7 @@ import torch
 
 from ..fileio import atomic_copy, atomic_write_json
 from ..filenames import SAFETENSORS_INDEX_NAME, TOKENIZER_FILES
+from ..locking import hidden_temp_prefix
 from ..safety import check_overwrite_target, pickle_reason
 from .errors import ConversionError
 from .plan import ConversionPlan, PlannedTensor
@@ -153,10 +154,11 @@ def atomic_directory(dst: Path, overwrite: bool) -> Iterator[Path]:
 
     Every file in it is synced before the rename. With ``overwrite`` the old ``dst`` is moved aside only
     once the new one is complete, and restored if the final rename fails. KeyboardInterrupt cleans up too;
-    a hard kill leaves only the hidden ``.DST.tmp-*``.
+    a hard kill leaves only the hidden ``.DST.tmp-PID-*``, which the next run into DST removes
+    (``qkmap_hf.locking``).
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=hidden_temp_prefix(dst), dir=dst.parent))
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -169,7 +171,7 @@ def atomic_directory(dst: Path, overwrite: bool) -> Iterator[Path]:
         if dst.exists():
             if any(dst.iterdir()) and not overwrite:
                 raise ConversionError(f"DST {dst} was filled by someone else during the conversion; not replacing it.")
-            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+            old = dst.parent / f"{hidden_temp_prefix(dst, 'old')}{uuid.uuid4().hex[:8]}"
             dst.rename(old)
             try:
                 tmp.rename(dst)

@@ -5,13 +5,17 @@
 - ``CheckpointCompletion``: after every ``checkpoint-N`` is fully written, a record of its files and sizes is
   written last (atomically); ``pick_resume_checkpoint`` takes the newest checkpoint whose files are all there
   and readable, says which one and why newer ones were skipped, and names the broken file of an explicit one.
+- ``save_failed``: a failed checkpoint or final save (a full disk, mostly) as one line naming the folder and the
+  free space it needs, instead of a traceback from deep inside the Trainer.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -175,3 +179,72 @@ def pick_resume_checkpoint(resume: str | None, output_dir: str) -> str | None:
     raise FileNotFoundError(
         f"--resume: no checkpoint-* folder in {output_dir}; run without --resume, or pass the checkpoint folder."
     )
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class SaveFailedError(OSError):
+    """A save that could not complete; ``str()`` is the whole message (``qkmap_hf.cli`` prints it as it is)."""
+
+    def __init__(self, code: int | None, message: str):
+        super().__init__(code, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+def _is_full_disk(error: BaseException) -> bool:
+    """ENOSPC and kin, also when safetensors' Rust writer reports it as text rather than as an ``OSError``."""
+    if isinstance(error, OSError) and error.errno in _NO_SPACE:
+        return True
+    text = str(error)
+    return "No space left" in text or "StorageFull" in text or "code: 28" in text
+
+
+def state_bytes(model: Any, optimizer: Any = None) -> int:
+    """Bytes a checkpoint of ``model`` (and ``optimizer``'s state) takes on disk, about."""
+    import torch
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for state in getattr(optimizer, "state", {}).values():
+        total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def save_failed(
+    folder: str | Path, error: BaseException, needed: int, what: str = "checkpoint", staged: Path | None = None
+) -> SaveFailedError:
+    """One line for a failed save into ``folder``: the cause (with the file at fault, named in ``folder`` rather
+    than in the hidden ``staged`` folder it was written to), for a full disk the space needed and free, and how to
+    go on."""
+    folder = Path(folder)
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        cause = f"{error.filename}: {error.strerror}"
+    else:
+        cause = " ".join(str(error).split()) or type(error).__name__
+    if staged is not None:
+        cause = cause.replace(str(staged), str(folder))
+    message = f"could not save the {what} {folder}: {cause}"
+    code = getattr(error, "errno", None)
+    if _is_full_disk(error):
+        code = code or errno.ENOSPC
+        probe = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+        free = shutil.disk_usage(probe).free
+        message += (
+            f"; free some disk space: it needs about {_megabytes(needed)} free on that disk, {_megabytes(free)} "
+            "are free now"
+        )
+    if what == "checkpoint":
+        message += (
+            ". Run again with --resume: it continues from the last complete checkpoint (this incomplete one is "
+            "skipped)."
+        )
+    else:
+        message += ". The output folder was left as it was."
+    return SaveFailedError(code, message)

@@ -368,8 +368,19 @@ def heal(
     ``extra_schedules``: more ``Schedule`` objects (``schedules.py``), applied after the phase and switch-on ones and
     checkpointed alike (e.g. a QK-Norm annealing schedule).
     """
+    from ..cards import check_card_replaceable
+
+    out = Path(options.output_dir)
+    check_card_replaceable(out)  # before the run, not after it (the card is part of the final save)
     teacher = load_teacher(heal_options.teacher)
     registry: dict[str, HealTrainer] = {}
+
+    def finalize(folder: Path) -> None:  # inside train's staged final save: in OUT only once all is written
+        trainer = registry["trainer"]
+        if trainer.rows:
+            write_rows(folder, trainer.rows)
+        _write_provenance(folder, options, heal_options, trainer, name=out.resolve().name)
+
     result = train(
         options,
         datasets=datasets,
@@ -383,17 +394,17 @@ def heal(
             "registry": registry,
             "extra_schedules": extra_schedules,
         },
+        command="qkmap heal",
+        finalize=finalize,
     )
-    trainer = registry["trainer"]
-    out = Path(options.output_dir)
-    if trainer.rows and trainer.is_world_process_zero():
-        write_rows(out, trainer.rows)
-    _write_provenance(out, options, heal_options, trainer)
     return result
 
 
-def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOptions, trainer: HealTrainer) -> None:
-    if not trainer.is_world_process_zero() or not (out / "config.json").exists():
+def _write_provenance(
+    out: Path, options: TrainOptions, heal_options: HealOptions, trainer: HealTrainer, name: str | None = None
+) -> None:
+    """The conversion record (copied), the healing record and the card (named ``name``) into ``out``."""
+    if not (out / "config.json").exists():
         return
     converted = Path(options.model) / PROVENANCE_FILES["conversion"]
     if converted.exists() and not (out / converted.name).exists():
@@ -411,7 +422,7 @@ def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOption
     ).save(out)
     from ..cards import write_model_card
 
-    write_model_card(out)
+    write_model_card(out, model_name=name)
 
 
 __all__ = ["HealOptions", "HealTrainer", "distillation_kl", "heal", "load_teacher", "set_gain_parametrization"]

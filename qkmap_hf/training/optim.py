@@ -154,6 +154,21 @@ class QKMapTrainer(Trainer):
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint save; a failure (a full disk) becomes one line naming the checkpoint folder and the
+        space it needs (``guards.save_failed``). ``--resume`` skips the incomplete folder."""
+        from pathlib import Path
+
+        from safetensors import SafetensorError
+
+        from .guards import save_failed, state_bytes
+
+        try:
+            super()._save_checkpoint(model, trial)
+        except (OSError, SafetensorError) as error:
+            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            raise save_failed(folder, error, state_bytes(self.model, self.optimizer)) from error
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add ``eval_perplexity = exp(eval_loss)`` next to every eval loss."""
         for key in [k for k in logs if k.endswith("eval_loss")]:

@@ -17,18 +17,29 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import default_data_collator
 
-from ..fileio import atomic_write_json
+from ..fileio import atomic_write_json, staged_folder
+from ..filenames import SAFETENSORS_INDEX_NAME
 from ..monitoring import DivergenceGuard, TrainingMonitor, plot_monitor, probe_batch
 from ..provenance import PROVENANCE_FILES, TrainingRecord
+from ..safety import folder_writer
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
-from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
+from .guards import (
+    CheckpointCompletion,
+    check_output_dir,
+    check_train_options,
+    pick_resume_checkpoint,
+    save_failed,
+    state_bytes,
+)
 from .optim import QKMapTrainer, classify_parameters
 from .options import TrainOptions, TrainResult, parse_overrides, shared_training_arguments
 from .presets import PRESETS, get_preset, preset_config
@@ -210,9 +221,8 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _final_save(trainer, model, tokenizer, options: TrainOptions) -> None:
-    """Full checkpoint into the output dir (LoRA: adapter into OUT/adapter, merged model into OUT)."""
-    output_dir = Path(options.output_dir)
+def _final_save(trainer, model, tokenizer, options: TrainOptions, output_dir: Path) -> None:
+    """Full checkpoint into ``output_dir`` (LoRA: adapter into ``adapter/``, merged model beside it)."""
     if options.lora:
         if trainer.is_world_process_zero():
             model.save_pretrained(output_dir / ADAPTER_SUBDIR)
@@ -228,6 +238,24 @@ def _final_save(trainer, model, tokenizer, options: TrainOptions) -> None:
         # Trainer pickles its arguments beside the weights; the settings live in qkmap_training.json instead, so
         # the folder holds no pickle and passes `qkmap push` (checkpoint-*/ keep theirs for --resume).
         (output_dir / "training_args.bin").unlink(missing_ok=True)
+
+
+# What a model folder holds beside its weights that describes that model: replaced with it (``replaced_by``).
+MODEL_RECORDS = (*PROVENANCE_FILES.values(), "README.md", "heal.json", "heal.csv", "verification.json", "analysis")
+
+
+def replaced_by(out: Path, command: str):
+    """Which entries of ``out`` a final save removes: the weights it does not rewrite (an old model's other shards),
+    and, when another command's model is being replaced (``--overwrite``), that model's records and card."""
+    writer = folder_writer(out)
+    foreign = writer is not None and writer[0] != command
+
+    def drop(entry: Path) -> bool:
+        if entry.name.endswith((".safetensors", SAFETENSORS_INDEX_NAME.removeprefix("model"))):
+            return True
+        return foreign and entry.name in MODEL_RECORDS
+
+    return drop
 
 
 def parallel_summary(trainer) -> dict[str, Any]:
@@ -305,12 +333,19 @@ def train(
     save: bool = True,
     trainer_class: type[QKMapTrainer] = QKMapTrainer,
     trainer_kwargs: dict[str, Any] | None = None,
+    command: str = "qkmap train",
+    finalize: Callable[[Path], None] | None = None,
 ) -> TrainResult:
     """Train as ``options`` say; ``datasets``/``tokenizer`` skip reading data again (``qkmap compare``).
 
     ``trainer_class``/``trainer_kwargs``: a ``QKMapTrainer`` subclass and its extra arguments (``qkmap heal``).
 
     ``save=False`` writes nothing but the provenance file (the comparison keeps only its numbers).
+
+    The final save is atomic (``fileio.staged_folder``): OUT holds the complete new model or the old one, never a
+    mix; a failure (a full disk) is one line naming OUT and the space needed. ``command`` is what writes OUT: the
+    records and card of another command's model there (``--overwrite``) are removed with that model.
+    ``finalize(folder)`` adds the caller's own files to the save before it is moved in (``qkmap heal``: records, card).
     """
     started = time.time()
     check_train_options(options)
@@ -388,8 +423,6 @@ def train(
             eval_metrics = {k: v for k, v in last_eval[-1].items() if k.startswith("eval_") or k == "step"}
         else:
             eval_metrics = trainer.evaluate()
-    if save:
-        _final_save(trainer, model, tokenizer, options)
     result = TrainResult(
         output_dir=options.output_dir,
         log_history=list(trainer.state.log_history),
@@ -399,19 +432,31 @@ def train(
         wall_seconds=time.time() - started,
         diverged=guard.diverged if guard is not None else None,
     )
+    out = Path(options.output_dir)
+
+    def write_provenance(folder: Path) -> None:
+        """The run's record and its monitor plot, beside the weights."""
+        folder.mkdir(parents=True, exist_ok=True)
+        record = (options, resolved, data_stats, model, result, parallel_summary(trainer), resumed_from)
+        _write_provenance(folder / PROVENANCE_FILE, *record)
+        plot_monitor(result.log_history, folder / MONITOR_PLOT, title=f"monitor: {options.model}")
+
+    if save and trainer.is_world_process_zero():
+        staged: list[Path] = []
+        try:  # weights, tokenizer and record into a hidden folder; moved into OUT only once complete
+            with staged_folder(out, drop=replaced_by(out, command)) as staging:
+                staged.append(staging)
+                _final_save(trainer, model, tokenizer, options, staging)
+                write_provenance(staging)
+                if finalize is not None:
+                    finalize(staging)
+        except (OSError, SafetensorError) as error:
+            raise save_failed(out, error, state_bytes(model), "model", staged[0] if staged else None) from error
+    elif save:  # other ranks take part in gathering the weights (FSDP); rank 0 writes
+        _final_save(trainer, model, tokenizer, options, out)
     if trainer.is_world_process_zero():
-        Path(options.output_dir).mkdir(parents=True, exist_ok=True)
-        plot_monitor(result.log_history, Path(options.output_dir) / MONITOR_PLOT, title=f"monitor: {options.model}")
-        _write_provenance(
-            Path(options.output_dir) / PROVENANCE_FILE,
-            options,
-            resolved,
-            data_stats,
-            model,
-            result,
-            parallel_summary(trainer),
-            resumed_from,
-        )
+        if not save:
+            write_provenance(out)
         if has_eval:
             loss = eval_metrics.get("eval_loss")
             logger.info("held-out loss %.4f, perplexity %.3f", loss, math.exp(min(loss, 50.0)))
