@@ -300,13 +300,40 @@ def build_report(root: Path, output: Path, grid: list[float] | None = None) -> d
     return summary
 
 
+ARCHIVED = ("sweep_losses.csv", "timing.json", DIVERGED_FILE, "compare.json", "summary.json", "summary.md")
+
+
+def archive(root: Path, destination: Path) -> list[Path]:
+    """Copy what a sweep needs to be reported or resumed (the CSVs, records and each run's ``qkmap_training.json``,
+    not weights or plots) from ``root`` into ``destination``, same layout; ``cp -r DEST/. ROOT/`` restores it."""
+    from .fileio import atomic_write_text
+
+    copied = []
+    for folder in sweep_folders(root):
+        relative = folder.relative_to(root)
+        files = [folder / name for name in ARCHIVED if (folder / name).is_file()]
+        files += sorted(folder.glob("runs/*/*/qkmap_training.json")) + sorted(
+            folder.glob("runs/report/*/*/qkmap_training.json")
+        )
+        files += sorted(folder.glob("models/*/*/qkmap_training.json"))
+        for source in files:
+            target = destination / relative / source.relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(target, source.read_text())
+            copied.append(target)
+    return copied
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkmap_hf.stability", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="a qkmap compare --tune folder, or one with shard-* folders")
     parser.add_argument("--output-dir", type=Path, help="where the report goes (default: SWEEP_DIR/report)")
     parser.add_argument("--grid", help="the learning rates of the sweep, comma-separated (default: those found)")
+    parser.add_argument("--archive", type=Path, help="also copy the sweep's records (no weights) into this folder")
     args = parser.parse_args(argv)
     grid = [float(v) for v in args.grid.split(",")] if args.grid else None
+    if args.archive:
+        print(f"archived {len(archive(args.sweep_dir, args.archive))} files into {args.archive}")
     summary = build_report(args.sweep_dir, args.output_dir or args.sweep_dir / "report", grid)
     print(markdown(summary))
     return 0

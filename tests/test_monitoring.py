@@ -318,3 +318,8 @@ def test_a_diverging_run_is_recorded_with_l0_and_the_sweep_and_report_still_buil
         "loss_vs_lr.png",
         "monitor_at_max_stable.png",
     }
+    # The archive (records, no weights) reports the same numbers: a sweep can be kept in the repository and resumed.
+    from qkmap_hf.stability import archive
+
+    assert archive(out, tmp_path / "kept") and not list((tmp_path / "kept").rglob("*.safetensors"))
+    assert build_report(tmp_path / "kept", tmp_path / "kept-report") == report
