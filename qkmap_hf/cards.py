@@ -24,6 +24,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from .fileio import atomic_copy, atomic_write_text
 from .phases import describe, regime_from_roles
 from .provenance import PROVENANCE_FILES, ProvenanceRecord, load_provenance
+from .safety import contained_path
 from .version import __version__
 
 TEMPLATE_NAME = "qkmap_model_card.md"
@@ -295,6 +296,8 @@ def _import_analysis(analysis_dir: Path, model_dir: Path) -> tuple[dict, dict]:
     plots = dict((entry or {}).get("plots") or {})
     plots.update({f"comparison: {k}": v for k, v in (analysis.get("comparison_plots") or {}).items()})
     copied: dict[str, str] = {}
+    for title, relative in plots.items():  # a plot named ../secret would be copied into the model folder
+        contained_path(source_root, relative, source=analysis_json, what=f"plot {title!r} ->")
     if source_root.resolve() != target_root.resolve():
         target_root.mkdir(parents=True, exist_ok=True)
         for title, relative in plots.items():

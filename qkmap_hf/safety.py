@@ -5,6 +5,9 @@
 - ``check_overwrite_target``: may ``--overwrite`` replace this folder? Never the working folder (or a parent of
   it), a parent of the source, the home folder, or a folder that is not a model folder.
 - ``read_text_file``: the text of a training file, refused with its name when it is binary or not UTF-8.
+- ``contained_path`` / ``check_not_escaping``: a path named inside a file (an index's ``weight_map``, an analysis
+  plot, a side file that is a symlink) must stay inside its folder; the Hugging Face cache's
+  ``snapshots/REV/NAME -> ../../blobs/HASH`` links are followed only into the blobs of the same cache entry.
 """
 
 from __future__ import annotations
@@ -115,6 +118,55 @@ def symlinks_in(folder: str | os.PathLike) -> list[str]:
                 where = "outside the folder" if not target.is_relative_to(root) else "inside the folder"
                 found.append(f"{path.relative_to(root).as_posix()} (a symlink to {target}, {where})")
     return found
+
+
+def _allowed_roots(folder: Path) -> list[Path]:
+    """Where files of ``folder`` may really live: the folder itself, and for a snapshot of the Hugging Face cache
+    (``models--ORG--NAME/snapshots/REV``) the ``blobs`` of that same cache entry, which its symlinks point into."""
+    root = folder.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def escape_reason(folder: str | os.PathLike, entry: str) -> str | None:
+    """Why ``folder/entry`` leaves ``folder`` (``None``: it stays inside): an absolute path, ``..`` above the
+    folder, or a symlink to elsewhere (other than the same cache entry's blobs)."""
+    folder = Path(folder)
+    if not entry or Path(entry).is_absolute() or Path(entry).drive:
+        return "an absolute or empty path"
+    if os.path.normpath(entry).split(os.sep)[0] == os.pardir or os.path.normpath(entry) == os.curdir:
+        return "a path outside the folder"
+    target = (folder / entry).resolve()
+    if not any(target.is_relative_to(root) for root in _allowed_roots(folder)):
+        return f"a symlink to {target}, outside the folder"
+    return None
+
+
+def contained_path(folder: str | os.PathLike, entry: object, *, source: str | os.PathLike, what: str) -> Path:
+    """``folder/entry`` for an ``entry`` read from the file ``source``; ``ValueError`` naming the file and the entry
+    when it is not a string or leads out of ``folder`` (reading or writing it would touch another file)."""
+    if not isinstance(entry, str):
+        raise ValueError(f"{source}: {what} {entry!r} is not a file name; the file is damaged or hostile.")
+    reason = escape_reason(folder, entry)
+    if reason is not None:
+        raise ValueError(
+            f"{source}: {what} {entry!r} is {reason}; every file it names must lie inside {folder}. Refusing it "
+            "(the file is damaged or hostile)."
+        )
+    return Path(folder) / entry
+
+
+def check_not_escaping(folder: str | os.PathLike, name: str, *, option: str = "SRC") -> None:
+    """``ValueError`` when ``folder/name`` (a file about to be copied into an output) is a symlink leaving
+    ``folder``: copying would publish a file from elsewhere under this name."""
+    reason = escape_reason(folder, name)
+    if reason is not None:
+        raise ValueError(
+            f"{option} {Path(folder) / name} is {reason}; refusing to copy it into the output (copy the file itself "
+            f"into {folder} if it belongs there)."
+        )
 
 
 def is_model_folder(folder: Path) -> bool:

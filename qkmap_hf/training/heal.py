@@ -36,6 +36,7 @@ from ..fileio import atomic_copy, atomic_write_csv, atomic_write_json
 from ..flags import fraction_window, parsed_by
 from ..phases import PhaseRecorder, feature_map_layers
 from ..provenance import PROVENANCE_FILES, HealingRecord
+from ..safety import check_not_escaping
 from .optim import QKMapTrainer
 from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
 from .trainer import TrainOptions, resume_checkpoint, train
@@ -397,6 +398,7 @@ def _write_provenance(out: Path, options: TrainOptions, heal_options: HealOption
         return
     converted = Path(options.model) / PROVENANCE_FILES["conversion"]
     if converted.exists() and not (out / converted.name).exists():
+        check_not_escaping(options.model, converted.name, option="CONVERTED")
         atomic_copy(converted, out / converted.name)
     final = trainer.rows[-1] if trainer.rows else {}
     HealingRecord(
