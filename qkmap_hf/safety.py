@@ -8,6 +8,8 @@
 - ``contained_path`` / ``check_not_escaping``: a path named inside a file (an index's ``weight_map``, an analysis
   plot, a side file that is a symlink) must stay inside its folder; the Hugging Face cache's
   ``snapshots/REV/NAME -> ../../blobs/HASH`` links are followed only into the blobs of the same cache entry.
+- ``tokenizer_file`` / ``check_same_vocabulary``: two models that must share token ids (teacher and student,
+  source and converted) are compared by their token-to-id maps, not only their sizes, before any work starts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import os
 import pickletools
 import zipfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _PICKLE_PROTOCOL_OPCODE = 0x80  # PROTO, first opcode of every protocol 2+ pickle
 _PROBE_BYTES = 1 << 16
@@ -223,3 +227,55 @@ def read_text_file(path: str | os.PathLike) -> str:
             f"{path} is not UTF-8 text (byte {error.start}, line {line}: {error.reason}); convert it to UTF-8 "
             "(e.g. iconv -t UTF-8) or remove it from --data."
         ) from error
+
+
+def tokenizer_file(folder: str | os.PathLike, gguf_file: str | None = None) -> str:
+    """The file that holds the tokenizer of ``folder`` (its GGUF file, else the first tokenizer file), for messages."""
+    from .filenames import TOKENIZER_FILES
+
+    folder = Path(folder)
+    if gguf_file:
+        return str(folder / gguf_file)
+    return next((str(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()), str(folder))
+
+
+def vocabulary_difference(first: dict[str, int], second: dict[str, int]) -> str | None:
+    """How two token-to-id maps differ (``None``: they are the same): the sizes, else the first token whose id
+    differs. Equal sizes do not make equal vocabularies: ids of another tokenizer mean other words."""
+    if first == second:
+        return None
+    for token, index in sorted(first.items(), key=lambda item: item[1]):
+        other = second.get(token)
+        if other != index:
+            where = "absent" if other is None else f"id {other}"
+            size = f"{len(first)} vs {len(second)} tokens; " if len(first) != len(second) else ""
+            return f"{size}token {token!r} is id {index} vs {where}"
+    extra = next(token for token in second if token not in first)
+    return f"{len(first)} vs {len(second)} tokens; token {extra!r} is absent vs id {second[extra]}"
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """One side of a vocabulary comparison: the tokenizer (``None``: none to compare) and the file it came from,
+    the logits width (``vocab_size``; ``None``: unknown) and the file that says it."""
+
+    tokenizer_file: str
+    tokenizer: Any
+    config_file: str
+    width: int | None
+
+
+def check_same_vocabulary(first: Vocabulary, second: Vocabulary, *, purpose: str) -> None:
+    """``ValueError`` naming both files unless two models share their tokens (``purpose``: why they must)."""
+    if first.width is not None and second.width is not None and first.width != second.width:
+        raise ValueError(
+            f"{first.config_file} and {second.config_file} do not share a vocabulary: {first.width} vs "
+            f"{second.width} embedding rows (vocab_size); {purpose}."
+        )
+    if first.tokenizer is not None and second.tokenizer is not None:
+        difference = vocabulary_difference(first.tokenizer.get_vocab(), second.tokenizer.get_vocab())
+        if difference is not None:
+            raise ValueError(
+                f"{first.tokenizer_file} and {second.tokenizer_file} are different tokenizers ({difference}); "
+                f"{purpose}."
+            )

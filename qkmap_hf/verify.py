@@ -21,6 +21,7 @@ import torch
 from .fileio import atomic_write_text
 from .filenames import VERIFICATION_NAME
 from .phases import PhaseRecorder
+from .safety import Vocabulary, check_same_vocabulary, tokenizer_file
 
 
 @dataclasses.dataclass
@@ -159,14 +160,20 @@ def verify_conversion(
 
     source_model, source_ref = _load(source, source_gguf_file)
     converted_model, converted_ref = _load(converted)
+    sides = []
+    for model, ref in ((source_model, source_ref), (converted_model, converted_ref)):
+        side_tokenizer = None
+        if tokenizer is None and ref is not None and (ref[1] or tokenizer_file(ref[0]) != str(ref[0])):
+            side_tokenizer = AutoTokenizer.from_pretrained(ref[0], **({"gguf_file": ref[1]} if ref[1] else {}))
+        label = _label(model, ref)
+        config_file = label if ref is None or ref[1] else str(Path(label) / "config.json")
+        width = model.get_output_embeddings().weight.shape[0]
+        sides.append(Vocabulary(tokenizer_file(*ref) if ref else label, side_tokenizer, config_file, width))
+    check_same_vocabulary(*sides, purpose="verify compares the two models token by token; pass the source of DST")
     if tokenizer is None:
-        for ref in (converted_ref, source_ref):
-            if ref is not None:
-                path, gguf = ref
-                tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
-                break
-        else:
-            raise ValueError("verify_conversion needs tokenizer=... when both models are passed as objects.")
+        tokenizer = sides[1].tokenizer or sides[0].tokenizer
+        if tokenizer is None:
+            raise ValueError("verify_conversion needs tokenizer=... when neither model comes with a tokenizer.")
 
     ids = tokenizer(_read_text(text), return_tensors="pt").input_ids[:, :max_tokens]
     if ids.shape[1] < 2:

@@ -36,10 +36,10 @@ from ..fileio import atomic_copy, atomic_write_csv, atomic_write_json
 from ..flags import fraction_window, parsed_by
 from ..phases import PhaseRecorder, feature_map_layers
 from ..provenance import PROVENANCE_FILES, HealingRecord
-from ..safety import check_not_escaping
+from ..safety import Vocabulary, check_not_escaping, check_same_vocabulary, tokenizer_file
 from .optim import QKMapTrainer
 from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
-from .trainer import TrainOptions, resume_checkpoint, train
+from .trainer import TrainOptions, load_tokenizer, resume_checkpoint, train
 
 HEAL_RECORD = "heal.json"
 HEAL_TABLE = "heal.csv"
@@ -159,20 +159,42 @@ def set_gain_parametrization(model: torch.nn.Module, parametrization: str) -> No
 
 def load_teacher(path: str, dtype: torch.dtype = torch.float32):
     """The source model in eval mode with gradients off (safetensors folder, or a folder with one GGUF file)."""
-    from transformers import AutoModelForCausalLM
+    return load_teacher_with_vocabulary(path, dtype)[0]
+
+
+def load_teacher_with_vocabulary(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Vocabulary]:
+    """``load_teacher`` plus what ``heal`` compares with the student before training: its tokenizer and width."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..conversion.sources import load_gguf_causal_lm
 
     folder = Path(path)
     if not (folder / "config.json").exists():
         ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
         if len(ggufs) != 1:
             raise FileNotFoundError(f"--teacher {path}: expected a model folder with config.json (or one .gguf file).")
-        from ..assets import load_gguf_causal_lm
-
-        teacher = load_gguf_causal_lm(folder, ggufs[0].name, dtype=dtype)
+        teacher, tokenizer = load_gguf_causal_lm(folder, ggufs[0].name, dtype=dtype)
+        config_file = tokenizer_source = str(ggufs[0])
     else:
         teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tokenizer_source, config_file = tokenizer_file(folder), str(folder / "config.json")
+        tokenizer = AutoTokenizer.from_pretrained(folder) if tokenizer_source != str(folder) else None
     teacher.eval().requires_grad_(False)
-    return teacher
+    width = teacher.get_output_embeddings().weight.shape[0]
+    return teacher, Vocabulary(tokenizer_source, tokenizer, config_file, width)
+
+
+def check_teacher_vocabulary(options: TrainOptions, student_tokenizer, teacher: Vocabulary) -> None:
+    """Distillation compares logits id by id: the teacher must have the student's tokens at the same ids."""
+    student_folder = Path(options.tokenizer or options.model)
+    config = Path(options.model) / "config.json"
+    width = json.loads(config.read_text(encoding="utf-8")).get("vocab_size") if config.is_file() else None
+    student = Vocabulary(tokenizer_file(student_folder), student_tokenizer, str(config), width)
+    check_same_vocabulary(
+        teacher,
+        student,
+        purpose="distillation compares their logits token by token; pass the converted model's own source as --teacher",
+    )
 
 
 def _save_state(path: Path, schedules: list, extra: dict[str, Any]) -> None:
@@ -369,7 +391,9 @@ def heal(
     ``extra_schedules``: more ``Schedule`` objects (``schedules.py``), applied after the phase and switch-on ones and
     checkpointed alike (e.g. a QK-Norm annealing schedule).
     """
-    teacher = load_teacher(heal_options.teacher)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
+    teacher, teacher_vocabulary = load_teacher_with_vocabulary(heal_options.teacher)
+    check_teacher_vocabulary(options, tokenizer, teacher_vocabulary)
     registry: dict[str, HealTrainer] = {}
     result = train(
         options,

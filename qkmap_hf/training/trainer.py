@@ -26,6 +26,7 @@ from transformers import default_data_collator
 
 from ..fileio import atomic_write_json
 from ..provenance import PROVENANCE_FILES, TrainingRecord
+from ..safety import tokenizer_file
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
 from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
 from .optim import QKMapTrainer, classify_parameters
@@ -92,6 +93,38 @@ def build_model(options: TrainOptions, tokenizer, block_size: int):
         attn_implementation=options.attn_implementation,
         trust_remote_code=options.trust_remote_code,
     )
+
+
+def check_tokenizer_fits(options: TrainOptions, tokenizer, model_config) -> None:
+    """Every token id must have an embedding row: a tokenizer larger than the checkpoint's vocabulary would crash
+    (or, on a GPU, read out of bounds) at the first batch that uses one of its extra tokens."""
+    width = getattr(model_config, "vocab_size", None)
+    if not width:
+        return
+    largest = max(tokenizer.get_vocab().values(), default=-1)
+    if largest >= width:
+        source = tokenizer_file(options.tokenizer or options.model)
+        raise ValueError(
+            f"{source} has token ids up to {largest}, but {Path(options.model) / 'config.json'} has vocab_size "
+            f"{width} (embedding rows); pass the checkpoint's own tokenizer (--tokenizer) or resize the model first."
+        )
+
+
+def check_checkpoint_fits(checkpoint: str | None, options: TrainOptions, model) -> None:
+    """``--resume`` must name a checkpoint of this model's shape; the Trainer's own error is a long traceback."""
+    if checkpoint is None:
+        return
+    from ..conversion.sources import read_safetensors_header
+
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        for name, info in read_safetensors_header(path).items():
+            if name in expected and tuple(info.shape) != expected[name]:
+                described = options.model if is_preset(options.model) else Path(options.model) / "config.json"
+                raise ValueError(
+                    f"--resume {path} holds {name} of shape {list(info.shape)}, but the model of {described} has "
+                    f"{list(expected[name])}; resume with the same --model and --config it was trained with."
+                )
 
 
 def resolve_defaults(options: TrainOptions, model_config=None) -> dict[str, Any]:
@@ -307,6 +340,7 @@ def train(
         from transformers import AutoConfig
 
         model_config = AutoConfig.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
+    check_tokenizer_fits(options, tokenizer, model_config)
     resolved = resolve_defaults(options, model_config)
     if datasets is None:
         datasets = build_datasets(
@@ -337,6 +371,8 @@ def train(
     qkmap_lr = _given(options.qkmap_learning_rate, options.qkmap_lr_multiplier * resolved["learning_rate"])
     resolved["qkmap_learning_rate"] = qkmap_lr
 
+    resumed_from = resume_checkpoint(options)
+    check_checkpoint_fits(resumed_from, options, model)
     args = training_arguments(options, resolved, model, has_eval)
     trainer = trainer_class(
         model=model,
@@ -360,7 +396,6 @@ def train(
             trainer.args.world_size,
             trainer.args.parallel_mode.value,
         )
-    resumed_from = resume_checkpoint(options)
     train_output = trainer.train(resume_from_checkpoint=resumed_from)
     eval_metrics: dict = {}
     if has_eval:
