@@ -8,6 +8,8 @@
 - ``contained_path`` / ``check_not_escaping``: a path named inside a file (an index's ``weight_map``, an analysis
   plot, a side file that is a symlink) must stay inside its folder; the Hugging Face cache's
   ``snapshots/REV/NAME -> ../../blobs/HASH`` links are followed only into the blobs of the same cache entry.
+- ``load_checked_config`` / ``named_config_errors``: a config that does not validate (huggingface_hub's typed
+  errors, QKMapConfig's, an unknown ``hidden_act``) is one line naming the file (or ``--config``) and the field.
 - ``tokenizer_file`` / ``check_same_vocabulary``: two models that must share token ids (teacher and student,
   source and converted) are compared by their token-to-id maps, not only their sizes, before any work starts.
 """
@@ -18,7 +20,8 @@ import io
 import os
 import pickletools
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,3 +282,48 @@ def check_same_vocabulary(first: Vocabulary, second: Vocabulary, *, purpose: str
                 f"{first.tokenizer_file} and {second.tokenizer_file} are different tokenizers ({difference}); "
                 f"{purpose}."
             )
+
+
+def is_typed_validation_error(error: BaseException) -> bool:
+    """huggingface_hub's ``StrictDataclassError`` (transformers' configs validate through it): not a ValueError."""
+    return any(klass.__name__ == "StrictDataclassError" for klass in type(error).__mro__)
+
+
+@contextmanager
+def named_config_errors(where: str) -> Iterator[None]:
+    """Config validation errors raised inside as one ``ValueError`` line that starts with ``where`` (the file, or
+    the flag, that holds the bad field); the typed errors span several lines and name no file."""
+    try:
+        yield
+    except Exception as error:
+        text = " ".join(str(error).split())
+        if is_typed_validation_error(error) or (isinstance(error, ValueError) and text.startswith("QKMapConfig")):
+            raise ValueError(f"{where}: {text}") from error
+        raise
+
+
+def check_activation(config: Any, where: str) -> None:
+    """``hidden_act`` must name an activation transformers has (else building the model is a bare KeyError)."""
+    import difflib
+
+    from transformers.activations import ACT2FN
+
+    value = getattr(config, "hidden_act", None)
+    if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+        close = difflib.get_close_matches(str(value), list(ACT2FN), n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(sorted(ACT2FN))}."
+        raise ValueError(f"{where}: field 'hidden_act' is {value!r}, not an activation transformers knows{hint}")
+
+
+def load_checked_config(folder: str | os.PathLike, overrides: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """``AutoConfig.from_pretrained(folder, **kwargs, **overrides)`` whose validation errors name ``config.json``
+    (and ``--config`` when ``overrides`` were given) and the field, in one line."""
+    from transformers import AutoConfig
+
+    where = str(Path(folder) / "config.json")
+    if overrides:
+        where += f" with --config {', '.join(overrides)}"
+    with named_config_errors(where):
+        config = AutoConfig.from_pretrained(folder, **kwargs, **(overrides or {}))
+    check_activation(config, where)
+    return config

@@ -21,7 +21,7 @@ import torch
 from .fileio import atomic_write_text
 from .filenames import VERIFICATION_NAME
 from .phases import PhaseRecorder
-from .safety import Vocabulary, check_same_vocabulary, tokenizer_file
+from .safety import Vocabulary, check_same_vocabulary, load_checked_config, tokenizer_file
 
 
 @dataclasses.dataclass
@@ -130,7 +130,9 @@ def _load(model_or_path: Any, gguf_file: str | None = None):
     path = Path(model_or_path)
     if gguf_file is None and path.is_file() and path.suffix == ".gguf":
         path, gguf_file = path.parent, path.name
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if not gguf_file and (path / "config.json").is_file():
+        kwargs["config"] = load_checked_config(path)  # a bad field: one line naming the file, not a traceback
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(), (path, gguf_file)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ def tree_digest(*roots: Path) -> dict[str, str]:
                 path = Path(current, name)
                 if path.is_symlink():
                     digest[str(path)] = f"link:{os.readlink(path)}"
+                elif not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device: reading it would block or never end
+                    digest[str(path)] = f"special:{stat.S_IFMT(path.stat().st_mode)}"
                 else:
                     digest[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digest

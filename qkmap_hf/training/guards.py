@@ -62,6 +62,10 @@ def check_train_options(options: Any) -> None:
             raise ValueError(f"{_option(name)} {value}: must not be negative.")
     if not 0 <= options.eval_fraction < 1:
         raise ValueError(f"--eval-fraction {options.eval_fraction}: must lie in [0, 1).")
+    from .data import check_data_paths
+
+    if options.data:  # a FIFO, a device or a missing path: refused before any model is loaded
+        check_data_paths(options.data)
     if options.num_train_epochs == 0 and options.max_steps == -1:
         raise ValueError("--num-train-epochs 0 trains nothing; give a positive number of epochs or --max-steps.")
 

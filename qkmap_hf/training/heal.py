@@ -33,10 +33,16 @@ from torch.nn import functional as F
 from transformers import TrainerCallback
 
 from ..fileio import atomic_copy, atomic_write_csv, atomic_write_json
-from ..flags import fraction_window, parsed_by
+from ..flags import check_numbers, fraction_window, parsed_by
 from ..phases import PhaseRecorder, feature_map_layers
 from ..provenance import PROVENANCE_FILES, HealingRecord
-from ..safety import Vocabulary, check_not_escaping, check_same_vocabulary, tokenizer_file
+from ..safety import (
+    Vocabulary,
+    check_not_escaping,
+    check_same_vocabulary,
+    load_checked_config,
+    tokenizer_file,
+)
 from .optim import QKMapTrainer
 from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
 from .trainer import TrainOptions, load_tokenizer, resume_checkpoint, train
@@ -125,6 +131,19 @@ class HealOptions:
         ),
     )
 
+    def __post_init__(self) -> None:
+        """Refuse, naming the flag, what would train a NaN model or mean nothing (checked before any loading)."""
+        check_numbers(
+            self,
+            positive=("alpha", "block_spread", "calibration_blocks"),
+            non_negative=("recalibrate_every", "switch_on_key_gain", "kl_weight", "kl_weight_end", "cos_share"),
+            fractions=("phase_ramp", "switch_on_ramp", "norm_ramp", "cos_share"),
+        )
+        for name in ("phase_ramp", "switch_on_ramp", "norm_ramp"):
+            start, end = getattr(self, name)
+            if start > end:
+                raise ValueError(f"--{name.replace('_', '-')} {start}:{end}: START must not exceed END.")
+
     def schedules(self) -> tuple[PhaseScaleSchedule, GainSwitchOnSchedule, ValueSchedule]:
         phase = PhaseScaleSchedule(self.alpha, Ramp(*self.phase_ramp), layerwise=self.layerwise,
                                    block_spread=self.block_spread, recalibrate_every=self.recalibrate_every,
@@ -176,7 +195,7 @@ def load_teacher_with_vocabulary(path: str, dtype: torch.dtype = torch.float32) 
         teacher, tokenizer = load_gguf_causal_lm(folder, ggufs[0].name, dtype=dtype)
         config_file = tokenizer_source = str(ggufs[0])
     else:
-        teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        teacher = AutoModelForCausalLM.from_pretrained(folder, config=load_checked_config(folder), dtype=dtype)
         tokenizer_source, config_file = tokenizer_file(folder), str(folder / "config.json")
         tokenizer = AutoTokenizer.from_pretrained(folder) if tokenizer_source != str(folder) else None
     teacher.eval().requires_grad_(False)

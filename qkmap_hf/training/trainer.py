@@ -26,7 +26,7 @@ from transformers import default_data_collator
 
 from ..fileio import atomic_write_json
 from ..provenance import PROVENANCE_FILES, TrainingRecord
-from ..safety import tokenizer_file
+from ..safety import load_checked_config, named_config_errors, tokenizer_file
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
 from .guards import CheckpointCompletion, check_output_dir, check_train_options, pick_resume_checkpoint
 from .optim import QKMapTrainer, classify_parameters
@@ -62,20 +62,21 @@ def load_tokenizer(options: TrainOptions):
 
 def build_model(options: TrainOptions, tokenizer, block_size: int):
     """A fresh preset model (seeded) or the checkpoint in ``options.model``, in float32."""
-    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+    from transformers import AutoModelForCausalLM, set_seed
 
     set_seed(options.seed)
     if is_preset(options.model):
-        config = preset_config(
-            options.model,
-            options.qk_mode,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=max(block_size, get_preset(options.model).block_size),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **options.config,
-        )
+        with named_config_errors(f"--config {', '.join(options.config)}" if options.config else "the preset config"):
+            config = preset_config(
+                options.model,
+                options.qk_mode,
+                vocab_size=len(tokenizer),
+                max_position_embeddings=max(block_size, get_preset(options.model).block_size),
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                **options.config,
+            )
         return AutoModelForCausalLM.from_config(
             config, attn_implementation=options.attn_implementation, dtype=torch.float32
         )
@@ -85,7 +86,7 @@ def build_model(options: TrainOptions, tokenizer, block_size: int):
             f"--model {options.model} is neither a size preset ({', '.join(PRESETS)}) nor a checkpoint folder with "
             "config.json."
         )
-    config = AutoConfig.from_pretrained(path, trust_remote_code=options.trust_remote_code, **options.config)
+    config = load_checked_config(path, options.config, trust_remote_code=options.trust_remote_code)
     return AutoModelForCausalLM.from_pretrained(
         path,
         config=config,
@@ -334,12 +335,10 @@ def train(
         raise ValueError(
             "--lora with --fsdp is not supported by qkmap train (merging needs the full weights); use DDP."
         )
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
-    model_config = None
+    model_config = None  # read (and validated: one line naming the field) before the tokenizer reads it too
     if not is_preset(options.model) and Path(options.model, "config.json").exists():
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
+        model_config = load_checked_config(options.model, options.config, trust_remote_code=options.trust_remote_code)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
     check_tokenizer_fits(options, tokenizer, model_config)
     resolved = resolve_defaults(options, model_config)
     if datasets is None:
