@@ -132,6 +132,14 @@ def test_verify_refuses_a_dst_of_another_vocabulary(work, capsys):
     assert tree_digest(work) == before
 
 
+def test_verify_accepts_the_gguf_source_of_its_conversion(work, capsys):
+    """The same tokens from a GGUF (tokenizer built from its metadata) and from the converted tokenizer.json."""
+    code, out, err = run_cli(capsys, "verify", work / "gguf" / "tiny.gguf", work / "conv", "--text", work / "text.txt",
+                             "--max-tokens", "32", "--generate-tokens", "2", "--no-save")  # fmt: skip
+    assert code == 0, err
+    assert "KL(source||converted)" in out
+
+
 def test_vocabulary_difference_names_the_first_token_that_moved():
     assert vocabulary_difference({"a": 0, "b": 1}, {"a": 0, "b": 1}) is None
     assert vocabulary_difference({"a": 0, "b": 1}, {"a": 1, "b": 0}) == "token 'a' is id 0 vs id 1"
