@@ -136,6 +136,15 @@ def _load(model_or_path: Any, gguf_file: str | None = None):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(), (path, gguf_file)
 
 
+def check_verify_counts(max_tokens: int, generate_tokens: int) -> None:
+    """``ValueError`` naming the flag: at least 2 tokens to compare predictions, no negative generation length
+    (a negative count would slice the text from its end, or be read by ``generate`` as "none")."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ValueError(f"--max-tokens {max_tokens}: must be at least 2 (one input and one prediction).")
+    if isinstance(generate_tokens, bool) or not isinstance(generate_tokens, int) or generate_tokens < 0:
+        raise ValueError(f"--generate-tokens {generate_tokens}: must not be negative.")
+
+
 @torch.no_grad()
 def verify_conversion(
     source: Any,
@@ -160,6 +169,7 @@ def verify_conversion(
     """
     from transformers import AutoTokenizer
 
+    check_verify_counts(max_tokens, generate_tokens)
     source_model, source_ref = _load(source, source_gguf_file)
     converted_model, converted_ref = _load(converted)
     sides = []

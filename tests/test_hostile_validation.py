@@ -145,6 +145,9 @@ HEAL = ["heal", "{tmp}/model", "--teacher", "{tmp}/model", "--data", "{tmp}/text
 ANALYZE = ["analyze", "{tmp}/model", "--text", "{tmp}/text.txt", "--output-dir", "{tmp}/out"]
 COMPARE = ["compare", "--data", "{tmp}/text.txt", "--output-dir", "{tmp}/out"]
 EVAL = ["eval", "{tmp}/model", "--tasks", "qkmap_next_line", "--output-path", "{tmp}/out"]
+TRAIN = ["train", "--model", "{tmp}/model", "--data", "{tmp}/text.txt", "--output-dir", "{tmp}/out"]
+VERIFY = ["verify", "{tmp}/llama", "{tmp}/model", "--text", "{tmp}/text.txt", "--no-save"]
+CONVERT = ["convert", "{tmp}/llama", "{tmp}/out", "--verify", "{tmp}/text.txt", "--no-progress"]
 
 
 @pytest.mark.parametrize(
@@ -174,6 +177,12 @@ EVAL = ["eval", "{tmp}/model", "--tasks", "qkmap_next_line", "--output-path", "{
         (EVAL + ["--num-fewshot", "-1"], "--num_fewshot -1: must be at least 0"),
         (EVAL + ["--batch-size", "0"], "--batch_size 0: must be positive"),
         (EVAL + ["--batch-size", "auto:-2"], "--batch_size -2: must be positive"),
+        (TRAIN + ["--max-eval-blocks", "-1"], "--max-eval-blocks -1: must not be negative"),
+        (TRAIN + ["--save-total-limit", "-2"], "--save-total-limit -2: must not be negative"),
+        (TRAIN + ["--seed", "-5"], "--seed -5: must not be negative"),
+        (VERIFY + ["--max-tokens", "-8"], "--max-tokens -8: must be at least 2"),
+        (VERIFY + ["--generate-tokens", "-1"], "--generate-tokens -1: must not be negative"),
+        (CONVERT + ["--max-tokens", "1"], "--max-tokens 1: must be at least 2"),
     ],
     ids=lambda v: " ".join(v[8:]) if isinstance(v, list) else None,
 )

@@ -42,6 +42,12 @@ def check_train_options(options: Any) -> None:
         value = getattr(options, name, None)
         if value is not None and value <= 0:
             raise ValueError(f"{_option(name)} {value}: must be a positive integer (leave it out for the default).")
+    counts = ("max_eval_blocks", "save_total_limit", "dataloader_num_workers", "seed", "split_seed", "lora_r",
+              "lora_alpha")  # fmt: skip
+    for name in counts:  # a negative count is read as "all", "none" or a crash deep in a library
+        value = getattr(options, name, None)
+        if value is not None and value < 0:
+            raise ValueError(f"{_option(name)} {value}: must not be negative.")
     for name, value in vars(options).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{_option(name)} {value}: must be a finite number.")
