@@ -163,6 +163,7 @@ CONVERT = ["convert", "{tmp}/llama", "{tmp}/out", "--verify", "{tmp}/text.txt", 
         (HEAL + ["--switch-on-ramp", "0:2"], "--switch-on-ramp 0.0:2.0: must lie in [0, 1]"),
         (HEAL + ["--recalibrate-every", "-1"], "--recalibrate-every -1: must not be negative"),
         (HEAL + ["--calibration-blocks", "-2"], "--calibration-blocks -2: must be positive"),
+        (HEAL[:3] + ["{tmp}/no-teacher"] + HEAL[4:] + ["--max-steps", "0"], "--max-steps 0"),  # before the teacher
         (ANALYZE + ["--scales", "nan"], "--scales (nan,): must be finite positive factors"),
         (ANALYZE + ["--scales", "2,inf"], "--scales (2.0, inf): must be finite positive factors"),
         (ANALYZE + ["--num-windows", "-1"], "--num-windows -1: must be positive"),

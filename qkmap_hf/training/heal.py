@@ -43,6 +43,7 @@ from ..safety import (
     load_checked_config,
     tokenizer_file,
 )
+from .guards import check_output_dir, check_train_options
 from .optim import QKMapTrainer
 from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
 from .trainer import TrainOptions, load_tokenizer, resume_checkpoint, train
@@ -410,6 +411,8 @@ def heal(
     ``extra_schedules``: more ``Schedule`` objects (``schedules.py``), applied after the phase and switch-on ones and
     checkpointed alike (e.g. a QK-Norm annealing schedule).
     """
+    check_train_options(options)  # train() checks them again; here they come before the teacher is loaded
+    check_output_dir(options.model, options.output_dir, is_checkpoint=True)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
     teacher, teacher_vocabulary = load_teacher_with_vocabulary(heal_options.teacher)
     check_teacher_vocabulary(options, tokenizer, teacher_vocabulary)
