@@ -23,6 +23,7 @@ are produced, so long contexts do not keep every layer's full matrix.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,11 +61,13 @@ class AnalysisSettings:
     text_file: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.scales or any(s <= 0 or s == 1.0 for s in self.scales):
-            raise ValueError(f"scales={self.scales} must be positive factors other than 1.")
+        if not self.scales or any(not math.isfinite(s) or s <= 0 or s == 1.0 for s in self.scales):
+            raise ValueError(f"--scales {self.scales}: must be finite positive factors other than 1.")
         for name in ("max_tokens", "num_windows", "needle_examples"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive.")
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive.")
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed}: must not be negative.")
         if self.max_tokens < 8:
             raise ValueError(f"max_tokens={self.max_tokens} is too short for attention statistics; use at least 8.")
         if any(length < 32 for length in self.context_lengths):

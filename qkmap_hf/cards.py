@@ -13,17 +13,20 @@ names its section; a record of a kind that has a file replaces that file's recor
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .fileio import atomic_copy, atomic_write_text
 from .phases import describe, regime_from_roles
 from .provenance import PROVENANCE_FILES, ProvenanceRecord, load_provenance
+from .safety import contained_path
 from .version import __version__
 
 TEMPLATE_NAME = "qkmap_model_card.md"
@@ -50,6 +53,38 @@ _ARCHITECTURE_FIELDS = (
     "max_position_embeddings",
     "rope_theta",
 )
+
+
+# --------------------------------------------------------------------------------------------------
+# escaping: names, descriptions and records come from files and flags; the card is Markdown with HTML allowed
+# --------------------------------------------------------------------------------------------------
+
+_MARKDOWN_MARKUP = re.compile(r"([\\`*\[\]|~])")  # what opens code, emphasis, links, table cells, strikethrough
+
+
+def markdown_text(value: Any) -> str:
+    """``value`` as literal text on one Markdown line: HTML (``<script>``, ``&``) and Markdown markup escaped, line
+    breaks (which could open a heading, a list or a code fence) folded into spaces."""
+    text = html.escape(" ".join(str(value).split()), quote=False)
+    return _MARKDOWN_MARKUP.sub(r"\\\1", text)
+
+
+def code_text(value: Any) -> str:
+    """``value`` for the inside of a `code span` of the template: no backtick (it would close the span, and no
+    escape works inside one) and no line break."""
+    return " ".join(str(value).split()).replace("`", "'")
+
+
+def fenced_json(data: Any) -> str:
+    """``data`` as JSON for a fenced code block: backticks written as the JSON escape ``\\u0060`` (the same JSON),
+    so no value can close the fence and turn the rest of the record into Markdown."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str).replace("`", "\\u0060")
+
+
+def repo_id_for_code(name: str) -> str:
+    """A name usable as a Hub repo id in the card's code (``repo = "..."``, ``qkmap eval ...``): characters a
+    repo id cannot hold become ``-``, so a folder name cannot break out of the string or the command line."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
 
 
 def template_path(name: str = TEMPLATE_NAME) -> Path:
@@ -202,10 +237,10 @@ def _provenance_items(record: dict, prefix: str = "") -> list[tuple[str, str]]:
 def _provenance_sections(records: dict[str, dict]) -> list[dict[str, Any]]:
     return [
         {
-            "title": kind.replace("_", " ").capitalize(),
-            "source": PROVENANCE_FILES.get(kind, "provenance"),
-            "items": _provenance_items(record)[:30],
-            "json": json.dumps(record, indent=2, sort_keys=True, default=str),
+            "title": markdown_text(kind.replace("_", " ").capitalize()),
+            "source": html.escape(PROVENANCE_FILES.get(kind, "provenance")),
+            "items": [(markdown_text(key), markdown_text(value)) for key, value in _provenance_items(record)[:30]],
+            "json": fenced_json(record),
         }
         for kind, record in records.items()
     ]
@@ -232,6 +267,11 @@ def _datasets(records: dict[str, dict]) -> list[str] | None:
 
 
 def _settings(config: dict) -> list[tuple[str, str]]:
+    """``(name, value)`` rows of the settings table, escaped (the name for its code span, the value as text)."""
+    return [(code_text(name), markdown_text(value)) for name, value in _raw_settings(config)]
+
+
+def _raw_settings(config: dict) -> list[tuple[str, str]]:
     if config.get("qk_mode", "standard") == "qk_map":
         rows = [(key, _format_value(value)) for key, value in sorted(config.items()) if key.startswith("qkmap_")]
         head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(
@@ -253,7 +293,7 @@ def _phase_rows(model_entry: dict | None) -> tuple[list[dict[str, str]], str | N
         return [], None
     rows = [
         {
-            "layer": layer["layer"],
+            "layer": markdown_text(layer["layer"]),
             "query_median": f"{layer['query']['median']:.3g}",
             "query_p90": f"{layer['query']['p90']:.3g}",
             "key_median": f"{layer['key']['median']:.3g}",
@@ -295,6 +335,8 @@ def _import_analysis(analysis_dir: Path, model_dir: Path) -> tuple[dict, dict]:
     plots = dict((entry or {}).get("plots") or {})
     plots.update({f"comparison: {k}": v for k, v in (analysis.get("comparison_plots") or {}).items()})
     copied: dict[str, str] = {}
+    for title, relative in plots.items():  # a plot named ../secret would be copied into the model folder
+        contained_path(source_root, relative, source=analysis_json, what=f"plot {title!r} ->")
     if source_root.resolve() != target_root.resolve():
         target_root.mkdir(parents=True, exist_ok=True)
         for title, relative in plots.items():
@@ -317,9 +359,11 @@ def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
     first = entry.get("first_token_mass", {})
     contrast = entry.get("evidence_contrast", {})
     return {
-        "label": entry.get("label"),
-        "compared_with": [m.get("label") for m in analysis.get("models") or [] if m.get("label") != entry.get("label")],
-        "text_description": (
+        "label": code_text(entry.get("label")),
+        "compared_with": [
+            code_text(m.get("label")) for m in analysis.get("models") or [] if m.get("label") != entry.get("label")
+        ],
+        "text_description": markdown_text(
             f"{settings.get('num_windows', '?')} windows of {settings.get('max_tokens', '?')} tokens of "
             f"{Path(str(settings.get('text_file') or 'text')).name}"
         ),
@@ -331,14 +375,14 @@ def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
         "uniform_reference": f"{first.get('uniform_reference', float('nan')):.4f}",
         "contrast_summary": [
             {
-                "length": values.get("tokens_mean", length),
+                "length": markdown_text(values.get("tokens_mean", length)),
                 "mean": f"{values['mean_log2_lift']:.3f}",
                 "best": f"{values['max_head_log2_lift']:.3f}",
             }
             for length, values in sorted((contrast.get("by_length") or {}).items(), key=lambda x: int(x[0]))
         ],
         "plots": [
-            {"title": title.replace("_", " ").capitalize(), "path": path}
+            {"title": markdown_text(title.replace("_", " ").capitalize()), "path": quote(path, safe="/")}
             for title, path in (entry.get("card_plots") or {}).items()
         ],
     }
@@ -394,28 +438,30 @@ def render_model_card(
     architecture = ", ".join(f"{key}={config[key]}" for key in _ARCHITECTURE_FIELDS if key in config)
     kind = "converted from " + base_model if base_model else ("trained" if "training" in records else "built")
     summary = (
-        f"A {config.get('num_hidden_layers', '?')}-layer causal language model with `{qk_mode}` attention, "
-        f"{kind} with qkmap-hf."
+        f"A {markdown_text(config.get('num_hidden_layers', '?'))}-layer causal language model with "
+        f"`{code_text(qk_mode)}` attention, {markdown_text(kind)} with qkmap-hf."
     )
     card = ModelCard.from_template(
         card_data,
         template_path=str(template or template_path()),
-        model_id=name,
+        model_id=markdown_text(name),
         summary=summary,
-        qk_mode=qk_mode,
-        mode_description=_MODE_DESCRIPTIONS.get(qk_mode, qk_mode),
-        architecture_line=architecture,
+        qk_mode=code_text(qk_mode),
+        mode_description=_MODE_DESCRIPTIONS.get(qk_mode) or markdown_text(qk_mode),
+        architecture_line=markdown_text(architecture),
         remote_code=bool(config.get("auto_map")),
         qkmap_version=__version__,
         settings=_settings(config),
         phase_rows=phase_rows,
         phase_regime=phase_regime,
-        usage_repo_id=model_name if model_name and _HUB_ID.match(model_name) else f"your-org/{name}",
+        usage_repo_id=model_name if model_name and _HUB_ID.match(model_name) else f"your-org/{repo_id_for_code(name)}",
         provenance_sections=_provenance_sections(records),
-        eval_rows=eval_rows(results) if results else [],
+        eval_rows=[{key: markdown_text(value) for key, value in row.items()} for row in eval_rows(results or {})],
         eval_meta={
-            "lm_eval_version": (results or {}).get("lm_eval_version"),
-            "limit": _format_value(limit) if (limit := ((results or {}).get("config") or {}).get("limit")) else None,
+            "lm_eval_version": markdown_text(version) if (version := (results or {}).get("lm_eval_version")) else None,
+            "limit": markdown_text(_format_value(limit))
+            if (limit := ((results or {}).get("config") or {}).get("limit"))
+            else None,
         },
         analysis=analysis_ctx,
     )

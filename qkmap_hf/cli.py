@@ -104,6 +104,7 @@ def refusal_types() -> tuple[type[BaseException], ...]:
         ("httpx", "HTTPError"),
         ("requests", "RequestException"),
         ("safetensors", "SafetensorError"),  # truncated or corrupt weight files
+        ("huggingface_hub.errors", "StrictDataclassError"),  # a config field of the wrong type (transformers' configs)
     ):
         try:
             types.append(getattr(import_module(module), name))
@@ -128,6 +129,9 @@ def describe_error(error: BaseException) -> str:
         hint = _OS_HINTS.get(error.errno)
         return f"{where}: {error.strerror}" + (f"; {hint}." if hint else ".")
     text = str(error).strip()
+    if any(klass.__name__ == "StrictDataclassError" for klass in type(error).__mro__):
+        # a config field of the wrong type, not a network error: "Validation error for field 'x':\n    ..." in one line
+        return "invalid config: " + " ".join(text.split())
     if not text:
         text = name
     if type(error).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3", "huggingface_hub"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -44,8 +45,60 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--config {item!r} must look like FIELD=VALUE, e.g. qkmap_min_frequency=0.1.")
-        overrides[key.strip()] = parse_value(value.strip())
+        key = key.strip()
+        overrides[key] = boolean_value(item, value.strip()) if key in _boolean_fields() else parse_value(value.strip())
     return overrides
+
+
+BOOLEAN_VALUES = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _boolean_fields() -> list[str]:
+    from .modeling.configuration_qkmap import QKMapConfig
+
+    return QKMapConfig.boolean_field_names()
+
+
+def boolean_value(item: str, text: str) -> bool:
+    """``true/false/1/0/yes/no`` (any case) as a bool; anything else is refused (a word is not a truthy value)."""
+    try:
+        return BOOLEAN_VALUES[text.lower()]
+    except KeyError:
+        raise ValueError(
+            f"--config {item!r}: {item.partition('=')[0].strip()} is a boolean field; use true/false (or 1/0, yes/no)."
+        ) from None
+
+
+def flag_name(name: str) -> str:
+    """``max_steps`` -> ``--max-steps``: how a field is spelt on the command line (and in refusals)."""
+    return "--" + name.replace("_", "-")
+
+
+def check_numbers(
+    options: Any,
+    *,
+    positive: tuple[str, ...] = (),
+    non_negative: tuple[str, ...] = (),
+    fractions: tuple[str, ...] = (),
+) -> None:
+    """``ValueError`` naming the flag unless every float of ``options`` (a dataclass; tuples of floats too) is
+    finite, the ``positive`` fields (numbers or tuples) are > 0, the ``non_negative`` ones >= 0 and the
+    ``fractions`` in [0, 1]. ``None`` means "not given" and passes. A NaN slips through every comparison, and a
+    negative count is read as "all" or "none" by the libraries below, so both are refused where they enter."""
+    for option in fields(options):
+        value = getattr(options, option.name)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        shown = ":".join(map(str, values)) if isinstance(value, (tuple, list)) else value
+        if any(not math.isfinite(v) for v in numbers):
+            raise ValueError(f"{flag_name(option.name)} {shown}: must be a finite number.")
+        name = option.name
+        if name in positive and any(v <= 0 for v in numbers):
+            raise ValueError(f"{flag_name(name)} {shown}: must be positive.")
+        if name in non_negative and any(v < 0 for v in numbers):
+            raise ValueError(f"{flag_name(name)} {shown}: must not be negative.")
+        if name in fractions and any(not 0 <= v <= 1 for v in numbers):
+            raise ValueError(f"{flag_name(name)} {shown}: must lie in [0, 1] (a fraction).")
 
 
 def steps_or_fraction(text: str) -> float:
@@ -108,8 +161,15 @@ class OverridesAction(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        from .modeling.configuration_qkmap import QKMapConfig
+
         current = getattr(namespace, self.dest, None) or {}
-        setattr(namespace, self.dest, {**current, **parse_overrides([values])})
+        parsed = parse_overrides([values])
+        try:  # a misspelt qkmap_* field would otherwise be dropped (checkpoints) or stored unused
+            QKMapConfig.validate_known_qkmap_keys(parsed)
+        except ValueError as error:
+            raise ValueError(f"{option_string or '--config'} {values!r}: {error}") from None
+        setattr(namespace, self.dest, {**current, **parsed})
 
 
 def options_from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:

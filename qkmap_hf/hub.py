@@ -37,7 +37,7 @@ from typing import Any
 
 from .cleanroom import run_without_qkmap_hf
 from .filenames import PICKLE_SUFFIXES, TOKENIZER_FILES
-from .safety import find_pickles, symlinks_in
+from .safety import escape_reason, find_pickles, symlinks_in
 from .version import __version__
 
 # checkpoint-*/: Trainer checkpoints (optimizer state, pickled RNG state) stay local, as in Trainer.push_to_hub.
@@ -296,6 +296,10 @@ def _check_weights(folder: Path, problems: list[str]) -> None:
             weight_map = json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {})
         except json.JSONDecodeError as error:
             problems.append(f"{index_path.name} is not valid JSON ({error}).")
+            continue
+        escaping = sorted({f"{f!r} ({why})" for f in weight_map.values() if (why := escape_reason(folder, str(f)))})
+        if escaping:
+            problems.append(f"{index_path.name} names shards outside the folder: {', '.join(escaping)}.")
             continue
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:

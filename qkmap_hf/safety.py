@@ -7,6 +7,13 @@
 - ``folder_writer`` / ``check_writer``: which qkmap command wrote a folder (its provenance record), so that no
   command replaces another's output without ``--overwrite``.
 - ``read_text_file``: the text of a training file, refused with its name when it is binary or not UTF-8.
+- ``contained_path`` / ``check_not_escaping``: a path named inside a file (an index's ``weight_map``, an analysis
+  plot, a side file that is a symlink) must stay inside its folder; the Hugging Face cache's
+  ``snapshots/REV/NAME -> ../../blobs/HASH`` links are followed only into the blobs of the same cache entry.
+- ``load_checked_config`` / ``named_config_errors``: a config that does not validate (huggingface_hub's typed
+  errors, QKMapConfig's, an unknown ``hidden_act``) is one line naming the file (or ``--config``) and the field.
+- ``tokenizer_file`` / ``check_same_vocabulary``: two models that must share token ids (teacher and student,
+  source and converted) are compared by their token-to-id maps, not only their sizes, before any work starts.
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ import io
 import os
 import pickletools
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _PICKLE_PROTOCOL_OPCODE = 0x80  # PROTO, first opcode of every protocol 2+ pickle
 _PROBE_BYTES = 1 << 16
@@ -119,6 +129,55 @@ def symlinks_in(folder: str | os.PathLike) -> list[str]:
     return found
 
 
+def _allowed_roots(folder: Path) -> list[Path]:
+    """Where files of ``folder`` may really live: the folder itself, and for a snapshot of the Hugging Face cache
+    (``models--ORG--NAME/snapshots/REV``) the ``blobs`` of that same cache entry, which its symlinks point into."""
+    root = folder.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def escape_reason(folder: str | os.PathLike, entry: str) -> str | None:
+    """Why ``folder/entry`` leaves ``folder`` (``None``: it stays inside): an absolute path, ``..`` above the
+    folder, or a symlink to elsewhere (other than the same cache entry's blobs)."""
+    folder = Path(folder)
+    if not entry or Path(entry).is_absolute() or Path(entry).drive:
+        return "an absolute or empty path"
+    if os.path.normpath(entry).split(os.sep)[0] == os.pardir or os.path.normpath(entry) == os.curdir:
+        return "a path outside the folder"
+    target = (folder / entry).resolve()
+    if not any(target.is_relative_to(root) for root in _allowed_roots(folder)):
+        return f"a symlink to {target}, outside the folder"
+    return None
+
+
+def contained_path(folder: str | os.PathLike, entry: object, *, source: str | os.PathLike, what: str) -> Path:
+    """``folder/entry`` for an ``entry`` read from the file ``source``; ``ValueError`` naming the file and the entry
+    when it is not a string or leads out of ``folder`` (reading or writing it would touch another file)."""
+    if not isinstance(entry, str):
+        raise ValueError(f"{source}: {what} {entry!r} is not a file name; the file is damaged or hostile.")
+    reason = escape_reason(folder, entry)
+    if reason is not None:
+        raise ValueError(
+            f"{source}: {what} {entry!r} is {reason}; every file it names must lie inside {folder}. Refusing it "
+            "(the file is damaged or hostile)."
+        )
+    return Path(folder) / entry
+
+
+def check_not_escaping(folder: str | os.PathLike, name: str, *, option: str = "SRC") -> None:
+    """``ValueError`` when ``folder/name`` (a file about to be copied into an output) is a symlink leaving
+    ``folder``: copying would publish a file from elsewhere under this name."""
+    reason = escape_reason(folder, name)
+    if reason is not None:
+        raise ValueError(
+            f"{option} {Path(folder) / name} is {reason}; refusing to copy it into the output (copy the file itself "
+            f"into {folder} if it belongs there)."
+        )
+
+
 def is_model_folder(folder: Path) -> bool:
     """A folder a previous convert/train/save_pretrained wrote: weights (safetensors or GGUF) at its top level, or
     a qkmap provenance record."""
@@ -208,3 +267,100 @@ def read_text_file(path: str | os.PathLike) -> str:
             f"{path} is not UTF-8 text (byte {error.start}, line {line}: {error.reason}); convert it to UTF-8 "
             "(e.g. iconv -t UTF-8) or remove it from --data."
         ) from error
+
+
+def tokenizer_file(folder: str | os.PathLike, gguf_file: str | None = None) -> str:
+    """The file that holds the tokenizer of ``folder`` (its GGUF file, else the first tokenizer file), for messages."""
+    from .filenames import TOKENIZER_FILES
+
+    folder = Path(folder)
+    if gguf_file:
+        return str(folder / gguf_file)
+    return next((str(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()), str(folder))
+
+
+def vocabulary_difference(first: dict[str, int], second: dict[str, int]) -> str | None:
+    """How two token-to-id maps differ (``None``: they are the same): the sizes, else the first token whose id
+    differs. Equal sizes do not make equal vocabularies: ids of another tokenizer mean other words."""
+    if first == second:
+        return None
+    for token, index in sorted(first.items(), key=lambda item: item[1]):
+        other = second.get(token)
+        if other != index:
+            where = "absent" if other is None else f"id {other}"
+            size = f"{len(first)} vs {len(second)} tokens; " if len(first) != len(second) else ""
+            return f"{size}token {token!r} is id {index} vs {where}"
+    extra = next(token for token in second if token not in first)
+    return f"{len(first)} vs {len(second)} tokens; token {extra!r} is absent vs id {second[extra]}"
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """One side of a vocabulary comparison: the tokenizer (``None``: none to compare) and the file it came from,
+    the logits width (``vocab_size``; ``None``: unknown) and the file that says it."""
+
+    tokenizer_file: str
+    tokenizer: Any
+    config_file: str
+    width: int | None
+
+
+def check_same_vocabulary(first: Vocabulary, second: Vocabulary, *, purpose: str) -> None:
+    """``ValueError`` naming both files unless two models share their tokens (``purpose``: why they must)."""
+    if first.width is not None and second.width is not None and first.width != second.width:
+        raise ValueError(
+            f"{first.config_file} and {second.config_file} do not share a vocabulary: {first.width} vs "
+            f"{second.width} embedding rows (vocab_size); {purpose}."
+        )
+    if first.tokenizer is not None and second.tokenizer is not None:
+        difference = vocabulary_difference(first.tokenizer.get_vocab(), second.tokenizer.get_vocab())
+        if difference is not None:
+            raise ValueError(
+                f"{first.tokenizer_file} and {second.tokenizer_file} are different tokenizers ({difference}); "
+                f"{purpose}."
+            )
+
+
+def is_typed_validation_error(error: BaseException) -> bool:
+    """huggingface_hub's ``StrictDataclassError`` (transformers' configs validate through it): not a ValueError."""
+    return any(klass.__name__ == "StrictDataclassError" for klass in type(error).__mro__)
+
+
+@contextmanager
+def named_config_errors(where: str) -> Iterator[None]:
+    """Config validation errors raised inside as one ``ValueError`` line that starts with ``where`` (the file, or
+    the flag, that holds the bad field); the typed errors span several lines and name no file."""
+    try:
+        yield
+    except Exception as error:
+        text = " ".join(str(error).split())
+        if is_typed_validation_error(error) or (isinstance(error, ValueError) and text.startswith("QKMapConfig")):
+            raise ValueError(f"{where}: {text}") from error
+        raise
+
+
+def check_activation(config: Any, where: str) -> None:
+    """``hidden_act`` must name an activation transformers has (else building the model is a bare KeyError)."""
+    import difflib
+
+    from transformers.activations import ACT2FN
+
+    value = getattr(config, "hidden_act", None)
+    if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+        close = difflib.get_close_matches(str(value), list(ACT2FN), n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(sorted(ACT2FN))}."
+        raise ValueError(f"{where}: field 'hidden_act' is {value!r}, not an activation transformers knows{hint}")
+
+
+def load_checked_config(folder: str | os.PathLike, overrides: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """``AutoConfig.from_pretrained(folder, **kwargs, **overrides)`` whose validation errors name ``config.json``
+    (and ``--config`` when ``overrides`` were given) and the field, in one line."""
+    from transformers import AutoConfig
+
+    where = str(Path(folder) / "config.json")
+    if overrides:
+        where += f" with --config {', '.join(overrides)}"
+    with named_config_errors(where):
+        config = AutoConfig.from_pretrained(folder, **kwargs, **(overrides or {}))
+    check_activation(config, where)
+    return config

@@ -21,6 +21,7 @@ import torch
 from .fileio import atomic_write_text
 from .filenames import VERIFICATION_NAME
 from .phases import PhaseRecorder
+from .safety import Vocabulary, check_same_vocabulary, load_checked_config, tokenizer_file
 
 
 @dataclasses.dataclass
@@ -129,8 +130,19 @@ def _load(model_or_path: Any, gguf_file: str | None = None):
     path = Path(model_or_path)
     if gguf_file is None and path.is_file() and path.suffix == ".gguf":
         path, gguf_file = path.parent, path.name
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if not gguf_file and (path / "config.json").is_file():
+        kwargs["config"] = load_checked_config(path)  # a bad field: one line naming the file, not a traceback
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(), (path, gguf_file)
+
+
+def check_verify_counts(max_tokens: int, generate_tokens: int) -> None:
+    """``ValueError`` naming the flag: at least 2 tokens to compare predictions, no negative generation length
+    (a negative count would slice the text from its end, or be read by ``generate`` as "none")."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ValueError(f"--max-tokens {max_tokens}: must be at least 2 (one input and one prediction).")
+    if isinstance(generate_tokens, bool) or not isinstance(generate_tokens, int) or generate_tokens < 0:
+        raise ValueError(f"--generate-tokens {generate_tokens}: must not be negative.")
 
 
 @torch.no_grad()
@@ -157,16 +169,23 @@ def verify_conversion(
     """
     from transformers import AutoTokenizer
 
+    check_verify_counts(max_tokens, generate_tokens)
     source_model, source_ref = _load(source, source_gguf_file)
     converted_model, converted_ref = _load(converted)
+    sides = []
+    for model, ref in ((source_model, source_ref), (converted_model, converted_ref)):
+        side_tokenizer = None
+        if tokenizer is None and ref is not None and (ref[1] or tokenizer_file(ref[0]) != str(ref[0])):
+            side_tokenizer = AutoTokenizer.from_pretrained(ref[0], **({"gguf_file": ref[1]} if ref[1] else {}))
+        label = _label(model, ref)
+        config_file = label if ref is None or ref[1] else str(Path(label) / "config.json")
+        width = model.get_output_embeddings().weight.shape[0]
+        sides.append(Vocabulary(tokenizer_file(*ref) if ref else label, side_tokenizer, config_file, width))
+    check_same_vocabulary(*sides, purpose="verify compares the two models token by token; pass the source of DST")
     if tokenizer is None:
-        for ref in (converted_ref, source_ref):
-            if ref is not None:
-                path, gguf = ref
-                tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
-                break
-        else:
-            raise ValueError("verify_conversion needs tokenizer=... when both models are passed as objects.")
+        tokenizer = sides[1].tokenizer or sides[0].tokenizer
+        if tokenizer is None:
+            raise ValueError("verify_conversion needs tokenizer=... when neither model comes with a tokenizer.")
 
     ids = tokenizer(_read_text(text), return_tensors="pt").input_ids[:, :max_tokens]
     if ids.shape[1] < 2:

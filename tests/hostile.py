@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ def tree_digest(*roots: Path) -> dict[str, str]:
                 path = Path(current, name)
                 if path.is_symlink():
                     digest[str(path)] = f"link:{os.readlink(path)}"
+                elif not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device: reading it would block or never end
+                    digest[str(path)] = f"special:{stat.S_IFMT(path.stat().st_mode)}"
                 else:
                     digest[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digest
@@ -63,4 +66,55 @@ def tiny_llama(folder: Path) -> Path:
         )
     )
     LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def tiny_gguf(folder: Path, name: str = "tiny.gguf", seed: int = 0) -> Path:
+    """A tiny float32 Llama GGUF (2 layers, width 32) with a byte-level "gpt2" tokenizer of 257 tokens (id = byte,
+    256 = ``<|endoftext|>``), written with the ``gguf`` package as llama.cpp lays it out; returns the folder."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    folder.mkdir(parents=True, exist_ok=True)
+    spelling = bytes_to_unicode()
+    tokens = [spelling[byte] for byte in range(256)] + ["<|endoftext|>"]
+    vocab, hidden, inter, layers, heads, kv_heads = len(tokens), 32, 64, 2, 4, 2
+    writer = gguf.GGUFWriter(str(folder / name), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3])  # 3: control
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(256)
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    ones = np.ones(hidden, np.float32)
+    kv = hidden // heads * kv_heads
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(vocab, hidden))
+    for i in range(layers):
+        for part, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (inter, hidden)),
+                            ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter))):  # fmt: skip
+            writer.add_tensor(f"blk.{i}.{part}.weight", weight(*shape))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return folder

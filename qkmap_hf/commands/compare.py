@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..flags import collected_by
+from ..flags import check_numbers, collected_by
 
 HELP = "Train standard, qk_norm and qk_map models on equal terms over seeds; write a loss CSV, plots and a summary."
 
@@ -32,6 +32,9 @@ class TuningFlags:
     tuning_seeds: int = field(default=1, metadata={"help": "seeds per grid point in tuning"})
     tuning_first_seed: int = field(default=1000, metadata={"help": "first tuning seed"})
     save_models: bool = field(default=False, metadata={"help": "keep each report run as a checkpoint in OUT/models"})
+
+    def __post_init__(self) -> None:
+        check_numbers(self, positive=("tuning_seeds",), non_negative=("tuning_first_seed",))
 
 
 def option_classes() -> tuple[type, ...]:

@@ -53,6 +53,44 @@ def translate_argv(argv: list[str]) -> list[str]:
     return ["run", *prefix, *out]
 
 
+# lm-eval's numeric flags, checked before the hand-over (lm-eval's own messages for --limit -3 are internal ones):
+# flag -> (kind, smallest allowed value); --batch_size also takes "auto" or "auto:N".
+_NUMERIC_FLAGS = {
+    "--limit": (float, 0.0),
+    "--num_fewshot": (int, 0),
+    "--batch_size": (int, 1),
+    "--max_batch_size": (int, 1),
+    "--bootstrap_iters": (int, 0),
+}
+
+
+def check_numeric_flags(argv: list[str]) -> None:
+    """``ValueError`` naming the flag for a value of lm-eval's numeric flags that is not a finite number in range
+    (``--limit`` must be positive: a fraction of each task below 1, a count of examples from 1)."""
+    import math
+
+    for index, arg in enumerate(argv):
+        name, sep, value = arg.partition("=")
+        if name not in _NUMERIC_FLAGS:
+            continue
+        if not sep:
+            if index + 1 >= len(argv):
+                continue  # lm-eval names the missing value itself
+            value = argv[index + 1]
+        kind, smallest = _NUMERIC_FLAGS[name]
+        if name == "--batch_size" and (value == "auto" or value.startswith("auto:")):
+            value = value.partition(":")[2] or "1"
+        try:
+            number = kind(value) if kind is int else float(value)
+        except ValueError:
+            raise ValueError(f"{name} {value!r}: must be {'an integer' if kind is int else 'a number'}.") from None
+        if kind is float and not math.isfinite(number):
+            raise ValueError(f"{name} {value}: must be a finite number.")
+        if number < smallest or (name == "--limit" and number == 0):
+            bound = "positive" if name == "--limit" or smallest == 1 else "at least 0"
+            raise ValueError(f"{name} {value}: must be {bound}.")
+
+
 def run_raw(argv: list[str]) -> int:
     from ..lm_eval import run_lm_eval_cli
     from .paths import require_path
@@ -62,4 +100,6 @@ def run_raw(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return run_lm_eval_cli(["run", "--help"])
-    return run_lm_eval_cli(translate_argv(argv))
+    translated = translate_argv(argv)
+    check_numeric_flags(translated)
+    return run_lm_eval_cli(translated)

@@ -109,7 +109,7 @@ def build_qkmap_config(
     try:
         config = QKMapConfig(**fields)
     except (TypeError, ValueError) as error:
-        raise ConversionError(f"{where}: the converted config is invalid: {error}") from error
+        raise ConversionError(f"{where}: the converted config is invalid: {' '.join(str(error).split())}") from error
     return config
 
 
@@ -125,7 +125,8 @@ def normalized_source_config(raw: dict[str, Any], where: str) -> dict[str, Any]:
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     except Exception as error:  # unknown model type, or transformers' own strict validation
-        raise ConversionError(f"{where}: transformers cannot read this {model_type!r} config: {error}") from error
+        text = " ".join(str(error).split())  # huggingface_hub's typed errors span lines: one line, field named
+        raise ConversionError(f"{where}: transformers cannot read this {model_type!r} config: {text}") from error
     normalized = config.to_dict()
     normalized["architectures"] = raw.get("architectures")
     return normalized

@@ -114,6 +114,10 @@ def convert_checkpoint(
     naming the file or field on bad input.
     """
     ConversionOptions(init, num_frequencies, omega0, dtype)  # bad options first, before touching SRC
+    if verify_text is not None:
+        from ..verify import check_verify_counts
+
+        check_verify_counts(max_tokens, generate_tokens)
     resolved: ResolvedSource = resolve_source(src, gguf_file, cache_dir)
     if verify_text is not None and not resolved.has_tokenizer:
         raise ConversionError(

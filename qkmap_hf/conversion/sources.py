@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..filenames import PICKLE_SUFFIXES, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, TOKENIZER_FILES
-from ..safety import find_pickles
+from ..safety import check_not_escaping, contained_path, find_pickles
 from .errors import ConversionError
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # in-memory sources (GGUF) shard like save_pretrained
@@ -156,7 +156,8 @@ class SafetensorsSource(TensorSource):
             raise ConversionError(f"{directory}: no {SAFETENSORS_SINGLE_NAME} or {SAFETENSORS_INDEX_NAME}{hint}.")
         self.shards = []
         owner: dict[str, str] = {}
-        for file in files:
+        for file in files:  # unchanged tensors are copied byte for byte: a link out of SRC would copy that file
+            check_not_escaping(directory, file)
             infos = read_safetensors_header(directory / file)
             for name in infos:
                 if name in owner:
@@ -180,6 +181,8 @@ class SafetensorsSource(TensorSource):
                 raise TypeError("weight_map is empty or not an object")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
             raise ConversionError(f"{index_path}: not a valid safetensors index ({error!r}).") from error
+        for name, file in weight_map.items():  # a shard named ../x or /x would be read, and written beside DST
+            contained_path(index_path.parent, file, source=index_path, what=f"weight_map entry {name!r} ->")
         files = list(dict.fromkeys(sorted(weight_map.values())))
         missing = [f for f in files if not (index_path.parent / f).is_file()]
         if missing:

@@ -27,7 +27,7 @@ import torch
 from ..fileio import atomic_copy, atomic_write_json
 from ..filenames import SAFETENSORS_INDEX_NAME, TOKENIZER_FILES
 from ..locking import hidden_temp_prefix
-from ..safety import check_overwrite_target, pickle_reason
+from ..safety import check_not_escaping, check_overwrite_target, contained_path, pickle_reason
 from .errors import ConversionError
 from .plan import ConversionPlan, PlannedTensor
 from .sources import SAFETENSORS_DTYPES, FileSpan, TensorSource
@@ -205,9 +205,11 @@ def write_tensors(plan: ConversionPlan, source: TensorSource, out_dir: Path, pro
     with tqdm(total=plan.num_tensors, unit="tensor", desc="converting", disable=not progress) as bar:
         for number, (shard, planned) in enumerate(plan.shards, start=1):
             bar.set_postfix_str(f"shard {number}/{len(plan.shards)} {shard}")
+            target = contained_path(out_dir, shard, source=source.where, what="output shard")
+            target.parent.mkdir(parents=True, exist_ok=True)
             with source.open(shard) as read:
                 total += write_safetensors_streaming(
-                    out_dir / shard, planned, lambda p, read=read: plan.materialize(p, read), bar.update
+                    target, planned, lambda p, read=read: plan.materialize(p, read), bar.update
                 )
             weight_map.update({p.name: shard for p in planned})
     if plan.sharded:
@@ -228,10 +230,12 @@ def copy_remote_code(out_dir: Path) -> list[str]:
 
 
 def copy_side_files(src_dir: Path, out_dir: Path) -> list[str]:
-    """Tokenizer files and generation config, copied byte for byte (never anything executable or pickled)."""
+    """Tokenizer files and generation config, copied byte for byte (never anything executable or pickled, never
+    through a symlink that leaves SRC)."""
     copied = []
     for name in (*TOKENIZER_FILES, "generation_config.json"):
         if (src_dir / name).is_file():
+            check_not_escaping(src_dir, name)  # a link out of SRC would be copied (dereferenced) into DST
             reason = pickle_reason(src_dir / name)
             if reason is not None:
                 raise ConversionError(

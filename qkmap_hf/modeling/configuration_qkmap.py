@@ -7,8 +7,10 @@ import only torch and transformers (and sibling files, relatively).
 
 from __future__ import annotations
 
+import difflib
 import math
 
+from transformers.activations import ACT2FN
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 QK_MODES = ("standard", "qk_norm", "qk_map")
@@ -111,6 +113,7 @@ class QKMapConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        self.validate_known_qkmap_keys(vars(self))
         m = self.resolved_qkmap_input_dim
         if self.qkmap_logit_scale == "auto" and isinstance(m, int) and m > 0:  # else validation names the bad width
             # exact init reproduces standard attention, whose scale is 1/sqrt(m); native init: the measured factor
@@ -133,6 +136,40 @@ class QKMapConfig(LlamaConfig):
                 "or load it with AutoModelForCausalLM."
             )
         return config_dict, kwargs
+
+    @classmethod
+    def qkmap_field_names(cls) -> list[str]:
+        """The ``qkmap_*`` fields this class knows."""
+        return [name for name in cls.__annotations__ if name.startswith("qkmap_")]
+
+    @classmethod
+    def boolean_field_names(cls) -> list[str]:
+        """Every boolean field, this class's and the inherited Llama ones."""
+        names = []
+        for klass in reversed(cls.__mro__):
+            names += [
+                n for n, a in vars(klass).get("__annotations__", {}).items() if str(a) in ("bool", "<class 'bool'>")
+            ]
+        return sorted(set(names))
+
+    @classmethod
+    def validate_known_qkmap_keys(cls, keys) -> None:
+        """A ``qkmap_*`` key this class does not know is a misspelt field (silently ignored otherwise): refused
+        with the closest known name."""
+        known = cls.qkmap_field_names()
+        for key in keys:
+            if isinstance(key, str) and key.startswith("qkmap_") and key not in known:
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+                hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}."
+                raise ValueError(f"QKMapConfig has no field {key!r}; {hint}")
+
+    def validate_boolean_fields(self) -> None:
+        """Booleans only: a string such as "no" is truthy and would switch a feature on."""
+        for name in type(self).qkmap_field_names():
+            if str(type(self).__annotations__[name]) in ("bool", "<class 'bool'>"):
+                value = getattr(self, name)
+                if not isinstance(value, bool):
+                    raise ValueError(f"QKMapConfig.{name}={value!r} is invalid; use true or false.")
 
     def validate_float_fields(self) -> None:
         """Every float field of this class (present and future): a real number, finite, usable in float32."""
@@ -164,8 +201,15 @@ class QKMapConfig(LlamaConfig):
             if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
                 raise ValueError(f"QKMapConfig.{field}={value!r} is invalid; it must be a positive {kind.__name__}.")
 
+        self.validate_boolean_fields()
         self.validate_float_fields()
         choice("qk_mode", QK_MODES)
+        if self.hidden_act not in ACT2FN:
+            close = difflib.get_close_matches(str(self.hidden_act), list(ACT2FN), n=1)
+            raise ValueError(
+                f"QKMapConfig.hidden_act={self.hidden_act!r} is not an activation transformers knows"
+                + (f"; did you mean {close[0]}?" if close else ".")
+            )
         choice("qkmap_frequency_sharing", QKMAP_FREQUENCY_SHARING)
         choice("qkmap_gain_parametrization", QKMAP_GAIN_PARAMETRIZATIONS)
         choice("qkmap_init", QKMAP_INITS)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_csv, atomic_write_json, atomic_write_text
-from ..flags import OverridesAction, collected_by, parse_overrides
+from ..flags import OverridesAction, check_numbers, collected_by, parse_overrides
 from ..modeling.configuration_qkmap import QK_MODES
 from ..monitoring import DEFAULT_MONITOR_STEPS
 from .optim import QKMAP_LR_MULTIPLIER
@@ -145,6 +145,23 @@ class CompareOptions:
     monitor_steps: int = field(
         default=DEFAULT_MONITOR_STEPS, metadata=_help("steps between attention-logit monitor probes; 0 turns it off")
     )
+
+    def __post_init__(self) -> None:
+        """Finite numbers, no negative counts or rates (the zero counts are refused by ``qkmap compare``)."""
+        check_numbers(
+            self,
+            non_negative=(
+                "first_seed",
+                "learning_rate",
+                "qkmap_lr_multiplier",
+                "weight_decay",
+                "warmup",
+                "max_eval_blocks",
+                "split_seed",
+            ),  # fmt: skip
+        )
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"--eval-fraction {self.eval_fraction}: must lie in [0, 1).")
 
 
 @dataclass

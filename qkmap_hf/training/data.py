@@ -10,6 +10,8 @@ Packing leaves no padding, so every position carries a label and a loss mean ove
 from __future__ import annotations
 
 import json
+import stat
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,10 +76,12 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    blank = True
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
+            blank = False
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -89,7 +93,15 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
                     f"{path}:{line_number} has no field {text_field!r} (fields: {', '.join(map(str, record))}); "
                     "pass --text-field with the name of the text field."
                 )
-            yield str(record[text_field])
+            text = record[text_field]
+            if not isinstance(text, str):  # str(None) would train on the word "None"
+                raise ValueError(
+                    f"{path}:{line_number}: field {text_field!r} is {json.dumps(text)[:60]} (a JSON "
+                    f"{type(text).__name__}), not a string; fix or remove the line."
+                )
+            yield text
+    if blank:
+        _warn_if_blank(path, "")
 
 
 def _iter_saved_dataset(path: Path, text_field: str) -> Iterator[str]:
@@ -124,14 +136,32 @@ def _files_under(folder: Path) -> list[Path]:
     return files
 
 
-def iter_documents(paths: Sequence[str | Path], text_field: str = "text") -> Iterator[str]:
-    """Yield documents from every source in ``paths`` (see the module docstring for what counts as a source)."""
+def check_data_paths(paths: Sequence[str | Path]) -> None:
+    """Every ``--data`` path exists and is a regular file or a folder, checked before anything is read: a FIFO or
+    a device would block or never end, and a later path failing after minutes of reading wastes them."""
     if not paths:
         raise ValueError("no data given; pass --data with text files, JSONL files or dataset folders.")
     for raw in paths:
         path = Path(raw).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"--data {raw}: no such file or folder.")
+        mode = path.stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device or socket"
+            raise ValueError(f"--data {raw} is {kind}, not a regular file or a folder; pass text, JSONL or folders.")
+
+
+def _warn_if_blank(file: Path, text: str) -> str:
+    if not text.strip():
+        print(f"warning: --data {file} holds only whitespace; it adds no text.", file=sys.stderr, flush=True)
+    return text
+
+
+def iter_documents(paths: Sequence[str | Path], text_field: str = "text") -> Iterator[str]:
+    """Yield documents from every source in ``paths`` (see the module docstring for what counts as a source)."""
+    check_data_paths(paths)
+    for raw in paths:
+        path = Path(raw).expanduser()
         if _is_saved_dataset(path):
             yield from _iter_saved_dataset(path, text_field)
             continue
@@ -142,7 +172,9 @@ def iter_documents(paths: Sequence[str | Path], text_field: str = "text") -> Ite
                 except UnicodeDecodeError as error:  # binary or another encoding: name the file
                     raise ValueError(f"{file} is not UTF-8 text ({error.reason}); convert it to UTF-8.") from error
             else:
-                yield read_text_file(file)  # binary or non-UTF-8 input is refused, naming the file
+                yield _warn_if_blank(
+                    file, read_text_file(file)
+                )  # binary or non-UTF-8 input is refused, naming the file
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,6 +324,7 @@ __all__ = [
     "PackedDataset",
     "build_datasets",
     "byte_level_tokenizer",
+    "check_data_paths",
     "iter_documents",
     "pack_blocks",
     "split_blocks",

@@ -46,8 +46,12 @@ def check_train_options(options: Any) -> None:
         value = getattr(options, name, None)
         if value is not None and value <= 0:
             raise ValueError(f"{_option(name)} {value}: must be a positive integer (leave it out for the default).")
-    if getattr(options, "monitor_steps", 0) < 0:
-        raise ValueError(f"--monitor-steps {options.monitor_steps}: must be 0 (off) or a positive step count.")
+    counts = ("max_eval_blocks", "save_total_limit", "dataloader_num_workers", "seed", "split_seed", "lora_r",
+              "lora_alpha", "monitor_steps")  # fmt: skip
+    for name in counts:  # a negative count is read as "all", "none" or a crash deep in a library
+        value = getattr(options, name, None)
+        if value is not None and value < 0:
+            raise ValueError(f"{_option(name)} {value}: must not be negative.")
     for name, value in vars(options).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{_option(name)} {value}: must be a finite number.")
@@ -68,6 +72,10 @@ def check_train_options(options: Any) -> None:
             raise ValueError(f"{_option(name)} {value}: must not be negative.")
     if not 0 <= options.eval_fraction < 1:
         raise ValueError(f"--eval-fraction {options.eval_fraction}: must lie in [0, 1).")
+    from .data import check_data_paths
+
+    if options.data:  # a FIFO, a device or a missing path: refused before any model is loaded
+        check_data_paths(options.data)
     if options.num_train_epochs == 0 and options.max_steps == -1:
         raise ValueError("--num-train-epochs 0 trains nothing; give a positive number of epochs or --max-steps.")
 

@@ -33,12 +33,20 @@ from torch.nn import functional as F
 from transformers import TrainerCallback
 
 from ..fileio import atomic_copy, atomic_write_csv, atomic_write_json
-from ..flags import fraction_window, parsed_by
+from ..flags import check_numbers, fraction_window, parsed_by
 from ..phases import PhaseRecorder, feature_map_layers
 from ..provenance import PROVENANCE_FILES, HealingRecord
+from ..safety import (
+    Vocabulary,
+    check_not_escaping,
+    check_same_vocabulary,
+    load_checked_config,
+    tokenizer_file,
+)
+from .guards import check_output_dir, check_train_options
 from .optim import QKMapTrainer
 from .schedules import GainSwitchOnSchedule, NormAnnealSchedule, PhaseScaleSchedule, Ramp, ValueSchedule
-from .trainer import TrainOptions, resume_checkpoint, train
+from .trainer import TrainOptions, load_tokenizer, resume_checkpoint, train
 
 HEAL_RECORD = "heal.json"
 HEAL_TABLE = "heal.csv"
@@ -124,6 +132,19 @@ class HealOptions:
         ),
     )
 
+    def __post_init__(self) -> None:
+        """Refuse, naming the flag, what would train a NaN model or mean nothing (checked before any loading)."""
+        check_numbers(
+            self,
+            positive=("alpha", "block_spread", "calibration_blocks"),
+            non_negative=("recalibrate_every", "switch_on_key_gain", "kl_weight", "kl_weight_end", "cos_share"),
+            fractions=("phase_ramp", "switch_on_ramp", "norm_ramp", "cos_share"),
+        )
+        for name in ("phase_ramp", "switch_on_ramp", "norm_ramp"):
+            start, end = getattr(self, name)
+            if start > end:
+                raise ValueError(f"--{name.replace('_', '-')} {start}:{end}: START must not exceed END.")
+
     def schedules(self) -> tuple[PhaseScaleSchedule, GainSwitchOnSchedule, ValueSchedule]:
         phase = PhaseScaleSchedule(self.alpha, Ramp(*self.phase_ramp), layerwise=self.layerwise,
                                    block_spread=self.block_spread, recalibrate_every=self.recalibrate_every,
@@ -158,20 +179,42 @@ def set_gain_parametrization(model: torch.nn.Module, parametrization: str) -> No
 
 def load_teacher(path: str, dtype: torch.dtype = torch.float32):
     """The source model in eval mode with gradients off (safetensors folder, or a folder with one GGUF file)."""
-    from transformers import AutoModelForCausalLM
+    return load_teacher_with_vocabulary(path, dtype)[0]
+
+
+def load_teacher_with_vocabulary(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Vocabulary]:
+    """``load_teacher`` plus what ``heal`` compares with the student before training: its tokenizer and width."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..conversion.sources import load_gguf_causal_lm
 
     folder = Path(path)
     if not (folder / "config.json").exists():
         ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
         if len(ggufs) != 1:
             raise FileNotFoundError(f"--teacher {path}: expected a model folder with config.json (or one .gguf file).")
-        from ..assets import load_gguf_causal_lm
-
-        teacher = load_gguf_causal_lm(folder, ggufs[0].name, dtype=dtype)
+        teacher, tokenizer = load_gguf_causal_lm(folder, ggufs[0].name, dtype=dtype)
+        config_file = tokenizer_source = str(ggufs[0])
     else:
-        teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        teacher = AutoModelForCausalLM.from_pretrained(folder, config=load_checked_config(folder), dtype=dtype)
+        tokenizer_source, config_file = tokenizer_file(folder), str(folder / "config.json")
+        tokenizer = AutoTokenizer.from_pretrained(folder) if tokenizer_source != str(folder) else None
     teacher.eval().requires_grad_(False)
-    return teacher
+    width = teacher.get_output_embeddings().weight.shape[0]
+    return teacher, Vocabulary(tokenizer_source, tokenizer, config_file, width)
+
+
+def check_teacher_vocabulary(options: TrainOptions, student_tokenizer, teacher: Vocabulary) -> None:
+    """Distillation compares logits id by id: the teacher must have the student's tokens at the same ids."""
+    student_folder = Path(options.tokenizer or options.model)
+    config = Path(options.model) / "config.json"
+    width = json.loads(config.read_text(encoding="utf-8")).get("vocab_size") if config.is_file() else None
+    student = Vocabulary(tokenizer_file(student_folder), student_tokenizer, str(config), width)
+    check_same_vocabulary(
+        teacher,
+        student,
+        purpose="distillation compares their logits token by token; pass the converted model's own source as --teacher",
+    )
 
 
 def _save_state(path: Path, schedules: list, extra: dict[str, Any]) -> None:
@@ -370,9 +413,13 @@ def heal(
     """
     from ..cards import check_card_replaceable
 
+    check_train_options(options)  # train() checks them again; here they come before the teacher is loaded
+    check_output_dir(options.model, options.output_dir, is_checkpoint=True)
     out = Path(options.output_dir)
     check_card_replaceable(out)  # before the run, not after it (the card is part of the final save)
-    teacher = load_teacher(heal_options.teacher)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
+    teacher, teacher_vocabulary = load_teacher_with_vocabulary(heal_options.teacher)
+    check_teacher_vocabulary(options, tokenizer, teacher_vocabulary)
     registry: dict[str, HealTrainer] = {}
 
     def finalize(folder: Path) -> None:  # inside train's staged final save: in OUT only once all is written
@@ -408,6 +455,7 @@ def _write_provenance(
         return
     converted = Path(options.model) / PROVENANCE_FILES["conversion"]
     if converted.exists() and not (out / converted.name).exists():
+        check_not_escaping(options.model, converted.name, option="CONVERTED")
         atomic_copy(converted, out / converted.name)
     final = trainer.rows[-1] if trainer.rows else {}
     HealingRecord(

@@ -30,7 +30,7 @@ from ..fileio import atomic_write_json, staged_folder
 from ..filenames import SAFETENSORS_INDEX_NAME
 from ..monitoring import DivergenceGuard, TrainingMonitor, plot_monitor, probe_batch
 from ..provenance import PROVENANCE_FILES, TrainingRecord
-from ..safety import folder_writer
+from ..safety import folder_writer, load_checked_config, named_config_errors, tokenizer_file
 from .data import DataStats, PackedDataset, build_datasets, byte_level_tokenizer
 from .guards import (
     CheckpointCompletion,
@@ -74,20 +74,21 @@ def load_tokenizer(options: TrainOptions):
 
 def build_model(options: TrainOptions, tokenizer, block_size: int):
     """A fresh preset model (seeded) or the checkpoint in ``options.model``, in float32."""
-    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+    from transformers import AutoModelForCausalLM, set_seed
 
     set_seed(options.seed)
     if is_preset(options.model):
-        config = preset_config(
-            options.model,
-            options.qk_mode,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=max(block_size, get_preset(options.model).block_size),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **options.config,
-        )
+        with named_config_errors(f"--config {', '.join(options.config)}" if options.config else "the preset config"):
+            config = preset_config(
+                options.model,
+                options.qk_mode,
+                vocab_size=len(tokenizer),
+                max_position_embeddings=max(block_size, get_preset(options.model).block_size),
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                **options.config,
+            )
         return AutoModelForCausalLM.from_config(
             config, attn_implementation=options.attn_implementation, dtype=torch.float32
         )
@@ -97,7 +98,7 @@ def build_model(options: TrainOptions, tokenizer, block_size: int):
             f"--model {options.model} is neither a size preset ({', '.join(PRESETS)}) nor a checkpoint folder with "
             "config.json."
         )
-    config = AutoConfig.from_pretrained(path, trust_remote_code=options.trust_remote_code, **options.config)
+    config = load_checked_config(path, options.config, trust_remote_code=options.trust_remote_code)
     return AutoModelForCausalLM.from_pretrained(
         path,
         config=config,
@@ -105,6 +106,38 @@ def build_model(options: TrainOptions, tokenizer, block_size: int):
         attn_implementation=options.attn_implementation,
         trust_remote_code=options.trust_remote_code,
     )
+
+
+def check_tokenizer_fits(options: TrainOptions, tokenizer, model_config) -> None:
+    """Every token id must have an embedding row: a tokenizer larger than the checkpoint's vocabulary would crash
+    (or, on a GPU, read out of bounds) at the first batch that uses one of its extra tokens."""
+    width = getattr(model_config, "vocab_size", None)
+    if not width:
+        return
+    largest = max(tokenizer.get_vocab().values(), default=-1)
+    if largest >= width:
+        source = tokenizer_file(options.tokenizer or options.model)
+        raise ValueError(
+            f"{source} has token ids up to {largest}, but {Path(options.model) / 'config.json'} has vocab_size "
+            f"{width} (embedding rows); pass the checkpoint's own tokenizer (--tokenizer) or resize the model first."
+        )
+
+
+def check_checkpoint_fits(checkpoint: str | None, options: TrainOptions, model) -> None:
+    """``--resume`` must name a checkpoint of this model's shape; the Trainer's own error is a long traceback."""
+    if checkpoint is None:
+        return
+    from ..conversion.sources import read_safetensors_header
+
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        for name, info in read_safetensors_header(path).items():
+            if name in expected and tuple(info.shape) != expected[name]:
+                described = options.model if is_preset(options.model) else Path(options.model) / "config.json"
+                raise ValueError(
+                    f"--resume {path} holds {name} of shape {list(info.shape)}, but the model of {described} has "
+                    f"{list(expected[name])}; resume with the same --model and --config it was trained with."
+                )
 
 
 def resolve_defaults(options: TrainOptions, model_config=None) -> dict[str, Any]:
@@ -354,12 +387,11 @@ def train(
         raise ValueError(
             "--lora with --fsdp is not supported by qkmap train (merging needs the full weights); use DDP."
         )
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
-    model_config = None
+    model_config = None  # read (and validated: one line naming the field) before the tokenizer reads it too
     if not is_preset(options.model) and Path(options.model, "config.json").exists():
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
+        model_config = load_checked_config(options.model, options.config, trust_remote_code=options.trust_remote_code)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(options)
+    check_tokenizer_fits(options, tokenizer, model_config)
     resolved = resolve_defaults(options, model_config)
     if datasets is None:
         datasets = build_datasets(
@@ -390,6 +422,8 @@ def train(
     qkmap_lr = _given(options.qkmap_learning_rate, options.qkmap_lr_multiplier * resolved["learning_rate"])
     resolved["qkmap_learning_rate"] = qkmap_lr
 
+    resumed_from = resume_checkpoint(options)
+    check_checkpoint_fits(resumed_from, options, model)
     args = training_arguments(options, resolved, model, has_eval)
     trainer = trainer_class(
         model=model,
@@ -414,7 +448,6 @@ def train(
             trainer.args.parallel_mode.value,
         )
     guard = attach_monitoring(trainer, options, eval_dataset if has_eval else train_dataset)
-    resumed_from = resume_checkpoint(options)
     train_output = trainer.train(resume_from_checkpoint=resumed_from)
     eval_metrics: dict = {}
     if has_eval:
