@@ -27,7 +27,13 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        name if name in ("standard", "qk_norm", "qk_map") else pytest.param(name, marks=pytest.mark.slow)
+        for name in CONFIGS
+    ],
+)
 def test_bf16_sdpa_close_to_fp32_and_cache_consistent(name):
     torch.manual_seed(0)
     mode = name if name in ("standard", "qk_norm") else "qk_map"

@@ -161,6 +161,7 @@ def _heal(folders, out: Path, *extra: str) -> list[dict]:
     return json.loads((out / "heal.json").read_text())["evaluations"]
 
 
+@pytest.mark.slow
 def test_sham_heal_runs_the_same_pipeline_with_the_phases_kept_linear(folders, tmp_path):
     # The sham-heal control of docs/healing.md: --alpha 0.05 (p90 phase 0.05 rad, block 1 at 0.1) runs every step of
     # the pipeline (schedules, switch-on, distillation) but never leaves the linear regime.

@@ -256,6 +256,7 @@ def test_sigterm_during_convert_is_handled_like_ctrl_c(work, capsys, monkeypatch
     assert signal.getsignal(signal.SIGTERM) == handler  # main's handler is uninstalled again
 
 
+@pytest.mark.slow
 def test_full_disk_during_the_final_save_leaves_the_old_model(work, capsys, monkeypatch):
     import transformers.modeling_utils as modeling_utils
 
@@ -282,6 +283,7 @@ def test_full_disk_during_the_final_save_leaves_the_old_model(work, capsys, monk
     assert not list(work.glob(".out.*"))
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_checkpoint_names_the_folder_and_resume_continues(work, capsys, monkeypatch):
     import transformers.modeling_utils as modeling_utils
 

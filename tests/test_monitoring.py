@@ -279,6 +279,7 @@ def test_monitor_steps_flag_parses_and_refuses_negative():
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow
 def test_a_diverging_run_is_recorded_with_l0_and_the_sweep_and_report_still_build(tmp_path):
     import csv
 

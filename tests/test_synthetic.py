@@ -190,6 +190,7 @@ def test_mqar_layout_finds_the_asked_pair_and_the_distractors():
         assert len(distractors) == 3 and asked not in distractors
 
 
+@pytest.mark.slow
 def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(tmp_path):
     from qkmap_hf.cli import main
     from qkmap_hf.task_probes import mqar_probes
