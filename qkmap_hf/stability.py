@@ -232,9 +232,9 @@ def plot_curves(arms: dict[str, ArmStability], output: Path) -> list[Path]:
     from .plotting import new_figure, save_figure
 
     paths = []
-    for name, values_of, label in (
-        ("loss_vs_lr.png", lambda a: a.tuning, "final tuning-split loss (nats/token)"),
-        ("max_logit_vs_lr.png", lambda a: a.final_max_logit, "largest attention logit at the end"),
+    for name, values_of, label, yscale in (
+        ("loss_vs_lr.png", lambda a: a.tuning, "final tuning-split loss (nats/token)", "linear"),
+        ("max_logit_vs_lr.png", lambda a: a.final_max_logit, "largest attention logit at the end", "symlog"),
     ):
         figure = new_figure(7.5, 4.8)
         axis = figure.add_subplot()
@@ -248,6 +248,7 @@ def plot_curves(arms: dict[str, ArmStability], output: Path) -> list[Path]:
             if crosses:
                 axis.plot(*zip(*crosses, strict=True), "x", color=line.get_color(), markersize=10)
         axis.set_xscale("log")
+        axis.set_yscale(yscale)  # logits grow by orders of magnitude where attention collapses
         axis.set_xlabel("learning rate (every parameter group)")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
@@ -278,6 +279,8 @@ def plot_monitor_at_max_stable(arms: dict[str, ArmStability], output: Path) -> P
                 steps, values = zip(*series[measure], strict=True)
                 axis.plot(steps, values, label=name, linewidth=1.2)
         axis.set_xlabel("optimizer step")
+        if measure == "max_logit":
+            axis.set_yscale("symlog")
         axis.set_title(label, fontsize=10)
         axis.grid(alpha=0.3)
         if index == 1:
