@@ -1,0 +1,40 @@
+"""``qkmap serve FOLDER``: an OpenAI-compatible server for a model folder on the best engine installed."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Serve a model folder over an OpenAI-compatible API: vLLM if installed (or its venv built), else transformers serve."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "folder", help="model folder (config.json, weights, tokenizer), e.g. the output of qkmap convert"
+    )
+    parser.add_argument("--engine", choices=("auto", "vllm", "transformers"), default="auto",
+                        help="auto: vLLM when importable here or built by scripts/setup_vllm.sh, else transformers")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    parser.add_argument("--dtype", default="auto", help="weights dtype for the engine (default: the folder's)")
+    parser.add_argument("--max-model-len", type=int, help="vLLM: longest sequence to plan the KV cache for")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..serving import serve_command, start_server
+
+    command = serve_command(
+        args.folder,
+        None if args.engine == "auto" else args.engine,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+    )
+    print(f"serving {args.folder} with {command.engine} at {command.url} (Ctrl-C stops it)", flush=True)
+    process = start_server(command)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        process.terminate()
+        process.wait(30)
+        raise
