@@ -192,9 +192,10 @@ def wait_until_ready(url: str, process: subprocess.Popen, timeout: float = 300) 
     raise TimeoutError(f"no answer from {url} within {timeout:.0f} s")
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int, timeout: float = 120) -> dict:
-    """One greedy ``/v1/completions`` request (a bounded request: one answer, ``timeout`` seconds at most)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def complete(url: str, model: str, prompt: str, max_tokens: int, timeout: float = 120, **extra) -> dict:
+    """One greedy ``/v1/completions`` request (a bounded request: one answer, ``timeout`` seconds at most);
+    ``extra`` fields go into the body as they are (vLLM's ``return_token_ids=True``, say)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     request = urllib.request.Request(
         f"{url}/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )

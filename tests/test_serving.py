@@ -200,13 +200,16 @@ def expected_completions(folder: Path, prompts=SERVER_PROMPTS, new_tokens: int =
     return texts
 
 
-def served_completions(folder: Path, engine: str, port: int, log: Path, **options) -> list[str]:
-    """Start ``qkmap serve``'s server for ``folder`` on 127.0.0.1, ask for each prompt once, stop it by its PID."""
+def served_completions(folder: Path, engine: str, port: int, log: Path, extra: dict | None = None, **options) -> list:
+    """Start ``qkmap serve``'s server for ``folder`` on 127.0.0.1, ask for each prompt once, stop it by its PID;
+    the answers' texts (with ``extra`` request fields: the answers' first choices whole)."""
     command = serve_command(folder, engine, host="127.0.0.1", port=port, dtype="float32", **options)
     process = start_server(command, log=log, env={"HF_HUB_OFFLINE": "1"})
     try:
         wait_until_ready(command.url, process, timeout=240)
-        answers = [complete(command.url, str(folder.resolve()), p, SERVER_TOKENS) for p in SERVER_PROMPTS]
+        answers = [
+            complete(command.url, str(folder.resolve()), p, SERVER_TOKENS, **(extra or {})) for p in SERVER_PROMPTS
+        ]
     except Exception as error:
         raise AssertionError(f"{error}\n--- server log ---\n{log.read_text()[-4000:]}") from error
     finally:
@@ -216,7 +219,7 @@ def served_completions(folder: Path, engine: str, port: int, log: Path, **option
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
-    return [answer["choices"][0]["text"] for answer in answers]
+    return [answer["choices"][0] if extra else answer["choices"][0]["text"] for answer in answers]
 
 
 def free_port() -> int:

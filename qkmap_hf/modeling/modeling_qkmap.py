@@ -137,6 +137,11 @@ class QKMapModel(QKMapPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=rope_config_for_width(config, config.projection_dim))
         self.gradient_checkpointing = False
+        if config.qk_mode == "qk_map" and config.qkmap_input_norm and config.qkmap_input_norm_power == 1:
+            # At power 1 the input norm is Qwen3's RMSNorm and its reference_scale unused (r^(1 - beta) = 1); vLLM
+            # swaps such a norm for its own RMSNorm, which has no reference_scale, and skips checkpoint keys that
+            # match this pattern (transformers loads them as usual: it only filters its warnings with it).
+            self._keys_to_ignore_on_load_unexpected = [r"self_attn\.[qk]_norm\.reference_scale$"]
         self.post_init()
 
     @merge_with_config_defaults
