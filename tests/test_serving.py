@@ -5,8 +5,10 @@ vLLM itself is exercised in tests/test_serving_vllm.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,3 +238,28 @@ def test_transformers_serve_continuous_batching_gives_generates_text(layout, tmp
     got = served_completions(folder, "transformers", free_port(), tmp_path / "server.log")
     assert got == expected
     assert all(len(text) > 0 for text in expected)
+
+
+@pytest.mark.slow
+def test_qkmap_serve_prints_engine_and_url_and_serves(tmp_path):
+    folder = saved_folder(tmp_path / "wide", "wide")
+    expected = expected_completions(folder, SERVER_PROMPTS[:1])
+    port = free_port()
+    command = [sys.executable, "-m", "qkmap_hf", "serve", str(folder), "--engine", "transformers", "--port", str(port)]
+    command += ["--dtype", "float32"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        first = process.stdout.readline().strip()
+        url = f"http://127.0.0.1:{port}/v1"
+        assert first == f"serving {folder} with transformers at {url} (Ctrl-C stops it)"
+        wait_until_ready(url, process, timeout=120)
+        answer = complete(url, str(folder.resolve()), SERVER_PROMPTS[0], SERVER_TOKENS)
+        assert answer["choices"][0]["text"] == expected[0]
+    finally:
+        process.terminate()
+        process.wait(60)
+    assert process.returncode == 128 + 15  # stopped by SIGTERM, and the server with it
+    with pytest.raises(OSError):
+        complete(url, str(folder.resolve()), SERVER_PROMPTS[0], 1, timeout=5)

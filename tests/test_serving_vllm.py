@@ -3,7 +3,8 @@
 vLLM runs in its own virtual environment (``scripts/setup_vllm.sh``; ``.ci/run`` builds it before the suite, and
 the fixture below runs the script too, so a fresh machine passes: the first build takes minutes, later runs only
 re-install this checkout into it). Folders: a tiny Llama converted exactly (F = 1, keys 32 wide), a tiny native
-wide model (GQA 4/2, F = 2, keys 64 wide, values 16), and a tiny Qwen3 converted with its input norm (keys 64 wide).
+wide model (GQA 4/2, F = 2, keys 64 wide, values 16), a compact one (F = 2, m = 8: keys 32 = head_dim) and a tiny
+Qwen3 converted with its input norm (keys 64 wide).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm")
     converted = tiny_llama_converted_exactly(root / "llama", initializer_range=0.1)["conv"]
     wide = saved_folder(root / "wide", "wide")
+    compact = saved_folder(root / "compact", "compact", hidden_size=128, qkmap_input_dim=8)  # head_dim 32, keys 32
     tokenizer = byte_level_tokenizer()
     torch.manual_seed(4)
     qwen3 = Qwen3ForCausalLM(
@@ -80,7 +82,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     tokenizer.save_pretrained(root / "qwen3-src")
     convert_checkpoint(root / "qwen3-src", root / "qwen3", progress=False)
     assert json.loads((root / "qwen3" / "config.json").read_text())["qkmap_input_norm"] is True
-    return {"converted": converted, "wide": wide, "qwen3": root / "qwen3"}
+    return {"converted": converted, "wide": wide, "compact": compact, "qwen3": root / "qwen3"}
 
 
 def generate_tokens(folder: Path) -> list[list[int]]:
@@ -105,7 +107,7 @@ def vllm_env() -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("name", ["converted", "wide", "qwen3"])
+@pytest.mark.parametrize("name", ["converted", "wide", "compact", "qwen3"])
 def test_vllm_offline_api_gives_generates_tokens(name, folders, vllm_python):
     expected = generate_tokens(folders[name])
     result = subprocess.run(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import subprocess
+import sys
 
 HELP = "Serve a model folder over an OpenAI-compatible API: vLLM if installed (or its venv built), else transformers serve."
 
@@ -32,9 +35,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"serving {args.folder} with {command.engine} at {command.url} (Ctrl-C stops it)", flush=True)
     process = start_server(command)
+    # SIGTERM (a supervisor, a test stopping this PID) stops the server too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        process.wait(30)
-        raise
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
