@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     parser.add_argument("--dtype", default="auto", help="weights dtype for the engine (default: the folder's)")
     parser.add_argument("--max-model-len", type=int, help="vLLM: longest sequence to plan the KV cache for")
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM: no torch.compile (starts sooner, slower)")
+    parser.add_argument("--engine-args", default="",
+                        help="options for the engine's own server, as one string: --engine-args='--cb-num-blocks 64'")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        engine_args=shlex.split(args.engine_args),
     )
     print(f"serving {args.folder} with {command.engine} at {command.url} (Ctrl-C stops it)", flush=True)
     process = start_server(command)
