@@ -60,4 +60,5 @@ def run_without_qkmap_hf(
             capture_output=True,
             text=True,
             timeout=timeout,
+            stdin=subprocess.DEVNULL,  # nobody answers a prompt (transformers' remote-code question) here
         )

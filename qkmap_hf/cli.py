@@ -42,6 +42,7 @@ COMMANDS: dict[str, str] = {
     "analyze": "qkmap_hf.commands.analyze",
     "card": "qkmap_hf.commands.card",
     "push": "qkmap_hf.commands.push",
+    "serve": "qkmap_hf.commands.serve",
 }
 
 

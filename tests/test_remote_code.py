@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import qkmap_hf
 from qkmap_hf import QKMapConfig
+from qkmap_hf.cleanroom import run_without_qkmap_hf
 from tests.utils import run_clean_python, tiny_config_kwargs
 
 REMOTE_CODE_FILES = (
@@ -147,3 +148,46 @@ def test_resaving_a_remote_code_model_keeps_it_loadable(saved, tmp_path):
     result = run_clean_python(code, cwd=tmp_path, env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
     assert torch.equal(torch.tensor(result["logits"]).view_as(expected["logits"]), expected["logits"])
     assert (tmp_path / "resaved" / "modeling_qkmap.py").is_file()
+
+
+TOKENIZE_SILENTLY = """
+import json, sys
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+text = "To be, or not to be: that is the question."
+folder, source = sys.argv[1], sys.argv[2]
+ids = {
+    "source": AutoTokenizer.from_pretrained(source)(text).input_ids,
+    "trusted": AutoTokenizer.from_pretrained(folder, trust_remote_code=True)(text).input_ids,
+    "fast": PreTrainedTokenizerFast.from_pretrained(folder)(text).input_ids,
+}
+print("SPLIT", flush=True)
+print("SPLIT", file=sys.stderr, flush=True)
+ids["untrusted"] = AutoTokenizer.from_pretrained(folder)(text).input_ids
+print("\\nIDS", json.dumps(ids))  # a prompt above may have left its line open
+"""
+
+
+@pytest.mark.slow
+def test_converted_folder_tokenizer_loads_as_the_sources(tmp_path):
+    """The tokenizer of a converted folder gives the source's ids, silently with trust_remote_code=True or through
+    PreTrainedTokenizerFast. Without the flag transformers 5.x still asks about remote code (AutoTokenizer reads
+    the model config through AutoConfig first, and config.json's auto_map names the folder's config class); with
+    stdin closed it answers no and falls back. Asserted so that docs/serving.md's limit is noticed when it lifts."""
+    from tests.utils import tiny_llama_converted_exactly
+
+    paths = tiny_llama_converted_exactly(tmp_path, initializer_range=0.02)
+    config = json.loads((paths["conv"] / "config.json").read_text())
+    assert "AutoTokenizer" not in config["auto_map"]  # only the model needs remote code
+    tokenizer_config = json.loads((paths["conv"] / "tokenizer_config.json").read_text())
+    assert (
+        tokenizer_config["tokenizer_class"]
+        == json.loads((paths["src"] / "tokenizer_config.json").read_text())["tokenizer_class"]
+    )
+    result = run_without_qkmap_hf(TOKENIZE_SILENTLY, [paths["conv"], paths["src"]])
+    assert result.returncode == 0, result.stderr
+    ids = json.loads(result.stdout.rsplit("IDS", 1)[1])
+    assert ids["trusted"] == ids["fast"] == ids["untrusted"] == ids["source"]
+    assert len(ids["source"]) == len("To be, or not to be: that is the question.")  # byte-level: one id per byte
+    (out_before, out_after), (err_before, err_after) = result.stdout.split("SPLIT"), result.stderr.split("SPLIT")
+    assert "custom code" not in out_before + err_before and "model of type" not in err_before  # silent
+    assert "Do you wish to run the custom code?" in out_after + err_after  # transformers' prompt, see docstring

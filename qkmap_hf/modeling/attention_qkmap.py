@@ -8,6 +8,7 @@ The feature map itself, with its recomputing backward pass, is in feature_map_qk
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -24,9 +25,11 @@ from .position_prior import QKPositionPrior
 
 # Kernels that want queries, keys and values of one width. Values are zero-padded to the key width and
 # the output sliced back: exact, and it keeps the fused kernels (CPU sdpa leaves its fused path otherwise).
-# flex_attention takes values narrower than queries/keys as they are. A single query token (decoding) skips the
-# padding for sdpa too: its T x 1 scores cost nothing on the unfused path, the copy of the whole value cache does.
-PAD_VALUES_FOR_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
+# vLLM's attention ("vllm", its Transformers backend) keeps one head size for keys and values on CPU (and its own
+# padding needs contiguous values). flex_attention takes values narrower than queries/keys as they are. A single
+# query token (decoding) skips the padding for sdpa too: its T x 1 scores cost nothing on the unfused path, the copy
+# of the whole value cache does.
+PAD_VALUES_FOR_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "vllm")
 FLASH_MAX_HEAD_DIM = 256
 # Added to the mean square of a gain row before it is normalized (qkmap_gain_treatment="normalized"): keeps an
 # all-zero row at zero instead of NaN, and is far below the unit RMS the native init starts from.
@@ -260,36 +263,53 @@ class QKMapAttention(nn.Module):
             if self.config.qk_position_prior == "constant":
                 query_states, key_states = self.position_prior(query_states, key_states, cos, sin)
 
+        paged = is_paged_cache(cache)
+        if paged:  # the paged cache keeps keys and values at one width (the key width): pad values before storing
+            value_states = self.pad_values_to_key_width(value_states)
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
 
         implementation = self.config._attn_implementation or "eager"
-        attention_interface = self.attention_kernel(implementation, query_states.shape[-2])
-        value_for_kernel = self.pad_values_for_kernel(value_states, implementation, query_states.shape[-2])
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        if self.decodes_one_query_over_wider_keys(implementation, query_states.shape[-2], paged):
+            attention_interface = single_query_attention
+        if not paged:
+            value_states = self.pad_values_for_kernel(value_states, implementation, query_states.shape[-2])
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
             key_states,
-            value_for_kernel,
+            value_states,
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = attn_output[..., : self.head_dim]
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        # Kernels return (..., heads, width) or, in vLLM, (tokens, heads * width): split off the heads, keep the
+        # values' head_dim of each (the rest is the zero padding of the values, if any).
+        attn_output = attn_output.reshape(*input_shape, -1, attn_output.shape[-1] // self.num_heads_out(attn_output))
+        attn_output = attn_output[..., : self.head_dim].reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
-    def attention_kernel(self, implementation: str, query_length: int) -> Callable:
-        """The configured kernel; for sdpa with one query token and keys wider than values, ``single_query_attention``."""
-        if (
+    def num_heads_out(self, attn_output: torch.Tensor) -> int:
+        """Heads in a kernel's output: the last dim holds one head (``(..., heads, width)``) unless it holds all of
+        them flattened (vLLM's ``(tokens, heads * width)``)."""
+        return self.config.num_attention_heads if attn_output.dim() == 2 else 1
+
+    def decodes_one_query_over_wider_keys(self, implementation: str, query_length: int, paged: bool = False) -> bool:
+        """sdpa, one query token, keys wider than values, values not padded in the cache: ``single_query_attention``."""
+        return (
             implementation == "sdpa"
             and query_length == 1
+            and not paged
             and self.query_key_dim != self.head_dim
             and not (self.training and self.attention_dropout > 0)
-        ):
-            return single_query_attention
-        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        )
+
+    def pad_values_to_key_width(self, value_states: torch.Tensor) -> torch.Tensor:
+        """Values zero-padded to the query/key width (exact: the padded output columns are sliced off)."""
+        extra = self.query_key_dim - self.head_dim
+        return F.pad(value_states, (0, extra)) if extra > 0 else value_states
 
     def pad_values_for_kernel(
         self, value_states: torch.Tensor, implementation: str, query_length: int | None = None
@@ -306,7 +326,29 @@ class QKMapAttention(nn.Module):
                 f"queries/keys are {self.query_key_dim} wide (2 * qkmap_num_frequencies * qkmap_input_dim). Use "
                 "attn_implementation='sdpa' or a smaller qkmap_input_dim (e.g. head_dim // (2 * F))."
             )
-        return F.pad(value_states, (0, extra))
+        return self.pad_values_to_key_width(value_states)
+
+
+_UPDATE_TAKES_KWARGS: dict[type, bool] = {}
+
+
+def is_paged_cache(cache: Cache | None) -> bool:
+    """The paged cache of transformers' continuous batching (``generate_batch``, ``transformers serve``)."""
+    return cache is not None and type(cache).__name__ == "PagedAttentionCache"
+
+
+def update_cache(
+    cache: Cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache.update`` as the installed transformers calls it: newer caches take the layer's kwargs (the paged
+    cache of continuous batching reads its read/write indices there and needs them), older ones do not."""
+    takes_kwargs = _UPDATE_TAKES_KWARGS.get(type(cache))
+    if takes_kwargs is None:
+        takes_kwargs = "kwargs" in inspect.signature(type(cache).update).parameters
+        _UPDATE_TAKES_KWARGS[type(cache)] = takes_kwargs
+    if takes_kwargs:
+        return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
+    return cache.update(key_states, value_states, layer_idx)
 
 
 def single_query_attention(
@@ -344,5 +386,7 @@ __all__ = [
     "QKMapFeatureMap",
     "QKMapInputRMSNorm",
     "qkmap_native_frequencies",
+    "is_paged_cache",
     "single_query_attention",
+    "update_cache",
 ]

@@ -12,9 +12,12 @@ parameter names included, so weights move between them by name.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -145,6 +148,11 @@ class QKMapModel(QKMapPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=rope_config_for_width(config, config.projection_dim))
         self.gradient_checkpointing = False
+        if config.qk_mode == "qk_map" and config.qkmap_input_norm and config.qkmap_input_norm_power == 1:
+            # At power 1 the input norm is Qwen3's RMSNorm and its reference_scale unused (r^(1 - beta) = 1); vLLM
+            # swaps such a norm for its own RMSNorm, which has no reference_scale, and skips checkpoint keys that
+            # match this pattern (transformers loads them as usual: it only filters its warnings with it).
+            self._keys_to_ignore_on_load_unexpected = [r"self_attn\.[qk]_norm\.reference_scale$"]
         self.post_init()
 
     @merge_with_config_defaults
@@ -200,6 +208,25 @@ class QKMapModel(QKMapPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_OUTPUT_CACHE_FIELD: cache})
 
 
+@contextlib.contextmanager
+def paged_cache_width(config: QKMapConfig) -> Iterator[None]:
+    """``config.head_dim`` reads as the key width while continuous batching sizes its paged cache.
+
+    The paged cache keeps keys and values at one width, ``head_dim`` of the config; QK-MAP keys are ``2 F m`` wide,
+    so the cache is sized for them and the attention pads values to that width before storing them. Nothing else
+    reads ``config.head_dim`` while the cache is built (the layers hold their own widths).
+    """
+    width, head_dim = config.query_key_dim, config.head_dim
+    if width == head_dim:
+        yield
+        return
+    config.head_dim = width
+    try:
+        yield
+    finally:
+        config.head_dim = head_dim
+
+
 class QKMapForCausalLM(QKMapPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -211,6 +238,30 @@ class QKMapForCausalLM(QKMapPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching manager, its paged cache sized for QK-MAP's keys (``paged_cache_width``)."""
+        manager = super().init_continuous_batching(*args, **kwargs)
+        create = getattr(manager, "_create_batch_processor", None)
+        if create is None:
+            if self.config.query_key_dim != self.config.head_dim:
+                raise ValueError(
+                    f"config.json: keys are {self.config.query_key_dim} wide (2 * qkmap_num_frequencies * "
+                    f"qkmap_input_dim) but this transformers' continuous batching sizes its cache from head_dim="
+                    f"{self.config.head_dim} at a place this model cannot reach; use generate(), or a compact layout "
+                    "(qkmap_input_dim = head_dim // (2 * qkmap_num_frequencies))."
+                )
+            return manager
+        if not getattr(create, "_qkmap_sized", False):
+
+            @functools.wraps(create)
+            def create_sized(*a, **kw):
+                with paged_cache_width(self.config):
+                    return create(*a, **kw)
+
+            create_sized._qkmap_sized = True
+            manager._create_batch_processor = create_sized
+        return manager
 
     def forward(
         self,
