@@ -421,17 +421,16 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.summarize:
-        rows = []
+        rows, missing = [], []
         for item in args.summarize:
             label, _, directory = item.partition("=")
-            if (
-                not (Path(directory) / "shape_grid_summary.csv").exists()
-                and not (Path(directory) / "attention_overhead_summary.csv").exists()
-            ):
-                print(f"| {label} | no summary CSV under {directory} (the step failed or did not run) |")
+            names = ("shape_grid_summary.csv", "attention_overhead_summary.csv")
+            if not any((Path(directory) / name).exists() for name in names):
+                missing.append(f"missing: {label} (no summary CSV under {directory})")
                 continue
             rows += read_summary(label, Path(directory))
         print(markdown(rows, run_column=True))
+        print("\n".join(missing))
         return 0
     args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
     if args.threads:
