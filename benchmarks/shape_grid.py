@@ -320,13 +320,13 @@ def plot(summary: list[dict], path: Path) -> Path:
             high = [rows[cases[i]]["ratio_max"] - y for i, y in zip(xs, ys, strict=True)]
             line = ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=2, label=variant)
             floors = [rows[cases[i]].get("floor_ratio") for i in xs]
-            if all(isinstance(f, float) for f in floors):
+            if all(isinstance(f, float) for f in floors) and any(f != 1.0 for f in floors):  # qk_norm's is 1
                 ax.plot(xs, floors, ls="--", color=line[0].get_color(), alpha=0.6, label=f"{variant} floor")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_ylabel("ratio vs standard")
         ax.set_title(COLUMNS[metric])
         ax.set_xticks(range(len(cases)), labels, rotation=60, ha="right", fontsize=7)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
