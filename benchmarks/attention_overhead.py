@@ -39,14 +39,31 @@ MODEL_SIZE = dict(
 VARIANTS = {
     "standard": dict(qk_mode="standard"),
     "qk_norm": dict(qk_mode="qk_norm"),
+    # qkmap_input_dim of the compact layout: head_dim // (2F) of the size measured (variant_fields).
     "qk_map_compact": dict(qk_mode="qk_map", qkmap_input_dim=32, qkmap_num_frequencies=1),
     "qk_map_wide": dict(qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1),
 }
 
 
-def build(variant: str, device: str, dtype: torch.dtype, attn: str) -> QKMapForCausalLM:
+def variant_fields(variant: str, size: dict | None = None) -> dict:
+    """Config fields of a variant for a model size: the compact layout's ``m`` follows the size's head_dim
+    (``head_dim // (2F)``, no attention width added), so one table of variants serves every shape."""
+    size = MODEL_SIZE if size is None else size
+    fields = dict(VARIANTS[variant])
+    if variant == "qk_map_compact":
+        fields["qkmap_input_dim"] = size["head_dim"] // (2 * fields["qkmap_num_frequencies"])
+    return fields
+
+
+def variant_config(variant: str, size: dict | None = None) -> QKMapConfig:
+    """The config of one variant at one model size (``MODEL_SIZE`` by default)."""
+    size = MODEL_SIZE if size is None else size
+    return QKMapConfig(**size, **variant_fields(variant, size))
+
+
+def build(variant: str, device: str, dtype: torch.dtype, attn: str, size: dict | None = None) -> QKMapForCausalLM:
     torch.manual_seed(0)
-    config = QKMapConfig(**MODEL_SIZE, **VARIANTS[variant])
+    config = variant_config(variant, size)
     model = QKMapForCausalLM(config).to(device=device, dtype=dtype)
     model.set_attn_implementation(attn)
     model.generation_config.eos_token_id = None
@@ -95,12 +112,14 @@ def kv_cache_bytes(cache) -> int:
     return total
 
 
-def measure(args: argparse.Namespace) -> list[dict]:
+def measure(args: argparse.Namespace, size: dict | None = None) -> list[dict]:
+    """Raw rows (variant, seq_len, metric, value, repeat) of every variant at one model size, interleaved."""
+    size = MODEL_SIZE if size is None else size
     dtype = getattr(torch, args.dtype)
-    models = {name: build(name, args.device, dtype, args.attn) for name in args.variants}
+    models = {name: build(name, args.device, dtype, args.attn, size) for name in args.variants}
     rows: list[dict] = []
     for seq_len in args.seq_lens:
-        ids = torch.randint(0, MODEL_SIZE["vocab_size"], (args.batch, seq_len), device=args.device)
+        ids = torch.randint(0, size["vocab_size"], (args.batch, seq_len), device=args.device)
         for name, model in models.items():  # warm-up and the size metrics, once per variant
             with torch.no_grad():
                 model(ids)
@@ -142,7 +161,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     )
             print(f"[bench] T={seq_len} repeat {repeat + 1}/{args.repeats}", file=sys.stderr, flush=True)
 
-    prompt = torch.randint(0, MODEL_SIZE["vocab_size"], (1, args.prefill_len), device=args.device)
+    prompt = torch.randint(0, size["vocab_size"], (1, args.prefill_len), device=args.device)
     for repeat in range(args.repeats):
         # Prefill every variant, then decode round-robin, one token per variant in turn, so that a burst of
         # machine load hits all variants alike instead of the one decoding its 32 tokens at that moment.

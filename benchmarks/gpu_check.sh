@@ -13,7 +13,13 @@
 #      single_query_attention decoding, flex_attention with unpadded values, flash-attention 2) against eager:
 #      forward, backward, greedy decoding; a missing path is a failure, named with the reason;
 #   3. benchmarks/attention_overhead.py in bf16 per path (sdpa, flex_attention, flash_attention_2): training
-#      step, forward, prefill and decode against standard, activation and cache bytes.
+#      step, forward, prefill and decode against standard, activation and cache bytes;
+#   4. benchmarks/shape_grid.py (sdpa, bf16) on a GPU-sized subset of the issue-23 grid: head_dim 64 and 128,
+#      16 heads with and without GQA 4:1, 2 layers, T = 2048: per shape the same ratios with their matmul-FLOP
+#      floors and the KV-cache bytes per token after generate() (dynamic and static cache).
+# It ends with the PASS/FAIL list and ONE Markdown table of every benchmark step's ratios (shape_grid.py
+# --summarize; also written to $OUT/summary_table.md), to paste into docs/performance.md.
+# The timeouts are caps, not measurements: this script has never run on a GPU (none was lent so far).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -52,7 +58,10 @@ if [[ $MODE == gpu ]]; then
     BENCH=(--device cuda --dtype bfloat16 --variants standard qk_map_compact qk_map_wide --batch 8 --repeats 3)
     SDPA_SIZES=(--seq-lens 1024 4096 --max-train-len 4096 --prefill-len 2048 --decode-tokens 32)
     OTHER_SIZES=(--seq-lens 1024 --max-train-len 1024 --prefill-len 1024 --decode-tokens 16)
-    T_TESTS=60 T_PATHS=60 T_SDPA=60 T_FLEX=60 T_FLASH=45  # 285 s at most, plus start-up
+    GRID=(--head-dims 64 128 --heads 16 --kv-ratios 1 4 --layers 2 --seq-lens 2048 --batch 4 --repeats 3
+          --decode-tokens 16 --variants standard qk_norm qk_map_compact qk_map_wide)
+    # 285 s of step timeouts at most, plus start-up and the summary table (a few seconds): <= 5 minutes
+    T_TESTS=50 T_PATHS=50 T_SDPA=45 T_FLEX=45 T_FLASH=35 T_GRID=60
 else
     echo "CPU smoke: the GPU steps at tiny sizes on the CPU; flash-attention 2 needs CUDA and is not run"
     DEVICE=cpu DTYPE=float32
@@ -60,9 +69,12 @@ else
     BENCH=(--device cpu --dtype float32 --variants standard qk_map_wide --batch 1 --repeats 1 --threads 1)
     SDPA_SIZES=(--seq-lens 64 --max-train-len 64 --prefill-len 32 --decode-tokens 4)
     OTHER_SIZES=(--seq-lens 64 --max-train-len 0 --prefill-len 32 --decode-tokens 4)  # no flex backward on CPU
-    T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0
+    GRID=(--head-dims 16 --heads 4 --kv-ratios 1 4 --layers 1 --seq-lens 32 --repeats 1 --decode-tokens 2
+          --kv-prompt-len 4 --kv-new-tokens 2 --threads 1)
+    T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120  # caps; the whole smoke takes ~2 minutes
 fi
 
+rm -rf "$OUT"/bench_* "$OUT/grid"  # the table at the end must not show an earlier run's CSVs
 step gpu_tests "$T_TESTS" env QKMAP_TEST_DEVICE="$DEVICE" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
 step kernel_paths "$T_PATHS" python3 benchmarks/kernel_paths.py --device "$DEVICE" --dtype "$DTYPE" --paths "${PATHS[@]}"
 for path in "${PATHS[@]}"; do
@@ -75,6 +87,13 @@ for path in "${PATHS[@]}"; do
         --attn "$path" --output-dir "$OUT/bench_$path"
 done
 
+step grid "$T_GRID" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype "$DTYPE" --attn sdpa "${GRID[@]}" \
+    --output-dir "$OUT/grid"
+
 echo "=== summary ($MODE; logs and CSVs under $OUT)"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+RUNS=()
+for path in "${PATHS[@]}"; do RUNS+=("bench_$path=$OUT/bench_$path"); done
+echo "=== one table of every benchmark step (cost ratio vs standard, median [min-max] over repeats; floors: matmul FLOPs)"
+python3 benchmarks/shape_grid.py --summarize "${RUNS[@]}" "grid=$OUT/grid" | tee "$OUT/summary_table.md"
 [[ $FAILED -eq 0 ]] || { echo "gpu_check: FAILED (see above)" >&2; exit 1; }

@@ -1,0 +1,468 @@
+"""Cost of QK-MAP against standard attention over a grid of model shapes, not one (issue 23).
+
+Runs ``attention_overhead.measure`` (variants interleaved inside each repeat) once per shape and length: head_dim,
+heads, GQA ratio, layers and T are flags, hidden size = heads * head_dim. Per shape it reports the training-step,
+forward, prefill (a T-token prompt) and decode (one token after it) time ratios against ``standard`` (median and
+min..max over repeats), the saved activation bytes (``saved_tensors_hooks`` accounting), the KV-cache bytes per
+token after ``generate`` with a DynamicCache and a StaticCache, and for every time ratio the arithmetic floor:
+the ratio of matmul FLOPs (projections, QK^T over keys 2Fm wide, PV over values padded to the key width where the
+kernel pads them, MLP, LM head) that the layout forces, so "measured vs floor" says what is overhead above the
+kernel's cost. Writes a summary and a raw CSV, a Markdown table and a plot of ratio against shape; names the worst
+shape per metric and, with ``--profile-worst``, prints torch.profiler's top ops there (variant and standard).
+
+    python benchmarks/shape_grid.py --threads 2 --repeats 7 --output-dir runs/shape_grid          # full grid
+    python benchmarks/shape_grid.py --head-dims 64 --heads 2 --kv-ratios 1 --layers 2 --seq-lens 64 \\
+        --repeats 1 --decode-tokens 2 --output-dir runs/grid_smoke                                    # smoke
+    python benchmarks/shape_grid.py --summarize sdpa=runs/gpu_check/bench_sdpa grid=runs/gpu_check/grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import qkmap_hf
+from qkmap_hf.modeling.attention_qkmap import QKMapAttention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_overhead import (  # noqa: E402
+    MODEL_SIZE,
+    VARIANTS,
+    build,
+    kv_cache_bytes,
+    measure,
+    ratios,
+    synchronize,
+    variant_config,
+)
+
+VOCAB_SIZE = 4096
+# Time metrics of attention_overhead.measure and the column each gets in the table.
+TIME_METRICS = {
+    "train_tokens_per_s": "train step",
+    "forward_tokens_per_s": "forward",
+    "prefill_ms": "prefill",
+    "decode_ms_per_token": "decode",
+}
+BYTE_METRICS = {
+    "activation_bytes": "saved act. bytes",
+    "kv_bytes_per_token_dynamic": "KV B/token (dynamic)",
+    "kv_bytes_per_token_static": "KV B/token (static)",
+}
+COLUMNS = {**TIME_METRICS, **BYTE_METRICS}
+SUMMARY_FIELDS = (
+    "shape",
+    "head_dim",
+    "heads",
+    "kv_heads",
+    "layers",
+    "hidden_size",
+    "seq_len",
+    "variant",
+    "metric",
+    "median",
+    "cost_ratio",
+    "ratio_min",
+    "ratio_max",
+    "floor_ratio",
+)
+
+
+def shape_size(head_dim: int, heads: int, kv_ratio: int, layers: int) -> dict:
+    """A Llama-proportioned model size: hidden = heads * head_dim, MLP ~8/3 hidden (a multiple of 64)."""
+    hidden = heads * head_dim
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=64 * math.ceil(8 * hidden / 3 / 64),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // kv_ratio,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+    )
+
+
+def shape_label(size: dict) -> str:
+    """Short name of a shape, e.g. ``d64 h8/kv2 L2`` (head_dim, query/key-value heads, layers)."""
+    return (
+        f"d{size['head_dim']} h{size['num_attention_heads']}/kv{size['num_key_value_heads']} "
+        f"L{size['num_hidden_layers']}"
+    )
+
+
+def grid_shapes(
+    head_dims: list[int], heads: list[int], kv_ratios: list[int], layers: list[int]
+) -> tuple[list[dict], list[str]]:
+    """Every consistent shape of the product; those whose heads do not divide by the GQA ratio are returned as
+    skipped (named), not silently dropped."""
+    sizes, skipped = [], []
+    for head_dim, num_heads, ratio, num_layers in itertools.product(head_dims, heads, kv_ratios, layers):
+        if num_heads % ratio or num_heads < ratio:
+            skipped.append(f"d{head_dim} h{num_heads} GQA {ratio}:1 L{num_layers} (heads not divisible by {ratio})")
+            continue
+        sizes.append(shape_size(head_dim, num_heads, ratio, num_layers))
+    return sizes, skipped
+
+
+def value_width(config, attn: str, query_length: int) -> int:
+    """Width of the values the kernel multiplies: the library's own padding rule
+    (``QKMapAttention.pad_values_for_kernel``) applied to a meta tensor, so the floor follows the code."""
+    with torch.device("meta"):
+        module = QKMapAttention(config, 0)
+        values = torch.empty(1, config.num_key_value_heads, query_length, config.head_dim)
+    return module.pad_values_for_kernel(values, attn, query_length).shape[-1]
+
+
+def matmul_flops(config, seq_len: int, phase: str, attn: str = "sdpa") -> float:
+    """FLOPs (2 per multiply-add) of every matmul of one forward pass: ``phase="forward"`` a causal T-token
+    forward (QK^T and PV over the T(T+1)/2 causal pairs), ``"decode"`` one token against a cache of T.
+
+    Elementwise work (the feature map's sin/cos, RoPE, norms, softmax) is left out on purpose: what it costs is
+    the overhead above the floor. Training is 3x the forward's matmuls for every variant, so its floor ratio is
+    the forward's.
+    """
+    heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    head_dim, projection, query_key = config.head_dim, config.projection_dim, config.query_key_dim
+    tokens, pairs = (1, seq_len) if phase == "decode" else (seq_len, seq_len * (seq_len + 1) / 2)
+    values = value_width(config, attn, tokens)
+    projections = 2 * hidden * (heads * projection + kv_heads * projection + kv_heads * head_dim + heads * head_dim)
+    mlp = 2 * 3 * hidden * config.intermediate_size
+    attention = 2 * heads * pairs * (query_key + values)
+    lm_head = 2 * hidden * config.vocab_size * tokens
+    return config.num_hidden_layers * (tokens * (projections + mlp) + attention) + lm_head
+
+
+def floor_ratio(size: dict, variant: str, metric: str, seq_len: int, attn: str = "sdpa") -> float | None:
+    """The arithmetic floor of a time ratio (variant's matmul FLOPs over standard's), None for byte metrics."""
+    if metric not in TIME_METRICS:
+        return None
+    phase = "decode" if metric == "decode_ms_per_token" else "forward"
+    return matmul_flops(variant_config(variant, size), seq_len, phase, attn) / matmul_flops(
+        variant_config("standard", size), seq_len, phase, attn
+    )
+
+
+def expected_kv_ratio(size: dict, variant: str) -> float:
+    """KV bytes per token against standard from the config: keys cached after the feature map (query_key_dim
+    wide), values head_dim wide."""
+    config, base = variant_config(variant, size), variant_config("standard", size)
+    return (config.query_key_dim + config.head_dim) / (base.query_key_dim + base.head_dim)
+
+
+def generate_kv_bytes_per_token(model, prompt_len: int, new_tokens: int, cache_implementation: str) -> float:
+    """Bytes of the cache's key and value tensors after ``generate``, per token position they hold (a
+    StaticCache holds its allocated length)."""
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            cache_implementation=cache_implementation,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    cache = out.get("cache", None) or out.get("past_key_values")
+    return kv_cache_bytes(cache) / cache.layers[0].keys.shape[-2]
+
+
+def shape_fields(size: dict) -> dict:
+    return dict(
+        shape=shape_label(size),
+        head_dim=size["head_dim"],
+        heads=size["num_attention_heads"],
+        kv_heads=size["num_key_value_heads"],
+        layers=size["num_hidden_layers"],
+        hidden_size=size["hidden_size"],
+    )
+
+
+def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[list[dict], list[dict]]:
+    """Raw rows and summary rows (with floors) of one shape at one length, every variant interleaved."""
+    shape_args = argparse.Namespace(
+        device=args.device,
+        dtype=args.dtype,
+        attn=args.attn,
+        variants=args.variants,
+        seq_lens=[seq_len],
+        max_train_len=seq_len if args.train else 0,
+        batch=args.batch,
+        repeats=args.repeats,
+        prefill_len=seq_len,
+        decode_tokens=args.decode_tokens,
+    )
+    raw = measure(shape_args, size)
+    fields = shape_fields(size)
+    summary = []
+    for row in ratios(raw):
+        if row["metric"] not in COLUMNS:  # the prefill cache's bytes: replaced by generate's, per token
+            continue
+        floor = floor_ratio(size, row["variant"], row["metric"], seq_len, args.attn)
+        summary.append({**fields, **row, "seq_len": seq_len, "floor_ratio": floor})
+    return [{**fields, **row} for row in raw], summary
+
+
+def measure_kv(args: argparse.Namespace, size: dict) -> list[dict]:
+    """KV bytes per token of every variant after ``generate``, dynamic and static cache (independent of T)."""
+    dtype = getattr(torch, args.dtype)
+    per_variant: dict[str, dict[str, float]] = defaultdict(dict)
+    for variant in args.variants:
+        model = build(variant, args.device, dtype, args.attn, size)
+        for implementation in ("dynamic", "static"):
+            per_variant[variant][implementation] = generate_kv_bytes_per_token(
+                model, args.kv_prompt_len, args.kv_new_tokens, implementation
+            )
+        del model
+    rows = []
+    for variant, by_cache in per_variant.items():
+        for implementation, value in by_cache.items():
+            ratio = value / per_variant["standard"][implementation]
+            rows.append(
+                {
+                    **shape_fields(size),
+                    "seq_len": args.kv_prompt_len + args.kv_new_tokens,
+                    "variant": variant,
+                    "metric": f"kv_bytes_per_token_{implementation}",
+                    "median": value,
+                    "cost_ratio": ratio,
+                    "ratio_min": ratio,
+                    "ratio_max": ratio,
+                    "floor_ratio": expected_kv_ratio(size, variant),
+                }
+            )
+    return rows
+
+
+def run_grid(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict], list[str]]:
+    """The whole grid: (summary rows, raw rows, sizes measured, shapes skipped)."""
+    sizes, skipped = grid_shapes(args.head_dims, args.heads, args.kv_ratios, args.layers)
+    summary, raw = [], []
+    for size in sizes:
+        kv_rows = measure_kv(args, size)
+        for seq_len in args.seq_lens:
+            print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
+            shape_raw, shape_summary = measure_shape(args, size, seq_len)
+            raw += shape_raw
+            summary += shape_summary + [{**row, "seq_len": seq_len} for row in kv_rows]
+    return summary, raw, sizes, skipped
+
+
+def worst_shapes(summary: list[dict]) -> dict[tuple[str, str], dict]:
+    """Per (metric, variant) other than standard, the row (shape and T) with the highest cost ratio."""
+    worst: dict[tuple[str, str], dict] = {}
+    for row in summary:
+        key = (row["metric"], row["variant"])
+        if row["variant"] != "standard" and (key not in worst or row["cost_ratio"] > worst[key]["cost_ratio"]):
+            worst[key] = row
+    return worst
+
+
+def format_cell(row: dict) -> str:
+    """``ratio [min-max] / floor f`` for times, ``value (ratio)`` for bytes."""
+    if row["metric"].startswith("kv_bytes"):
+        return f"{row['median']:.0f} ({row['cost_ratio']:.3f}x, expected {row['floor_ratio']:.3f}x)"
+    if row["metric"] in BYTE_METRICS:
+        return f"{row['median'] / 2**20:.1f} MiB ({row['cost_ratio']:.3f}x)"
+    cell = f"{row['cost_ratio']:.3f}x [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}]"
+    floor = row.get("floor_ratio")
+    return cell if floor in (None, "") else f"{cell} vs floor {floor:.3f}"
+
+
+def markdown(summary: list[dict], run_column: bool = False) -> str:
+    """One row per (run, shape, T, variant), one column per metric present; standard's rows are left out (every
+    ratio is 1; its KV bytes per token are each cell's value divided by the ratio)."""
+    metrics = [m for m in COLUMNS if any(r["metric"] == m for r in summary)]
+    keyed: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for row in summary:
+        if row["variant"] != "standard":
+            key = (row.get("run", ""), row["shape"], row["seq_len"], row["variant"])
+            keyed[key][row["metric"]] = row
+    head = (["run"] if run_column else []) + ["shape", "T", "variant"] + [COLUMNS[m] for m in metrics]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = list(VARIANTS)
+    for key in sorted(keyed, key=lambda k: (k[0], k[1], int(k[2]), order.index(k[3]))):
+        cells = ([key[0]] if run_column else []) + [key[1], str(key[2]), key[3]]
+        cells += [format_cell(keyed[key][m]) if m in keyed[key] else "" for m in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], path: Path) -> Path:
+    """Ratio against shape, one panel per metric, one line per variant (min..max bars), floors dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in (*TIME_METRICS, "activation_bytes") if any(r["metric"] == m for r in summary)]
+    cases = sorted({(r["shape"], r["seq_len"]) for r in summary}, key=lambda c: (c[0], int(c[1])))
+    labels = [f"{shape} T{seq_len}" for shape, seq_len in cases]
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(max(6, 0.5 * len(cases) + 3), 2.6 * len(metrics)), squeeze=False)
+    for ax, metric in zip(axes[:, 0], metrics, strict=True):
+        for variant in VARIANTS:
+            rows = {(r["shape"], r["seq_len"]): r for r in summary if r["metric"] == metric and r["variant"] == variant}
+            if variant == "standard" or not rows:
+                continue
+            xs = [i for i, case in enumerate(cases) if case in rows]
+            ys = [rows[cases[i]]["cost_ratio"] for i in xs]
+            low = [y - rows[cases[i]]["ratio_min"] for i, y in zip(xs, ys, strict=True)]
+            high = [rows[cases[i]]["ratio_max"] - y for i, y in zip(xs, ys, strict=True)]
+            line = ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=2, label=variant)
+            floors = [rows[cases[i]].get("floor_ratio") for i in xs]
+            if all(isinstance(f, float) for f in floors) and any(f != 1.0 for f in floors):  # qk_norm's is 1
+                ax.plot(xs, floors, ls="--", color=line[0].get_color(), alpha=0.6, label=f"{variant} floor")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_ylabel("ratio vs standard")
+        ax.set_title(COLUMNS[metric])
+        ax.set_xticks(range(len(cases)), labels, rotation=60, ha="right", fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def profile_case(args: argparse.Namespace, size: dict, variant: str, metric: str, seq_len: int) -> str:
+    """torch.profiler's top ops (self time) of one metric's work at one shape, after a warm-up run."""
+    dtype = getattr(torch, args.dtype)
+    model = build(variant, args.device, dtype, args.attn, size)
+    ids = torch.randint(0, size["vocab_size"], (args.batch, seq_len), device=args.device)
+
+    def work() -> None:
+        if metric == "train_tokens_per_s":
+            model(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+            return
+        with torch.no_grad():
+            if metric == "decode_ms_per_token":
+                out = model(ids[:1], use_cache=True)
+                cache = out.cache if hasattr(out, "cache") else out.past_key_values
+                token = out.logits[:, -1:].argmax(-1)
+                for _ in range(args.decode_tokens):
+                    token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            else:
+                model(ids, use_cache=metric == "prefill_ms")
+
+    work()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        work()
+        synchronize(args.device)
+    sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=args.profile_rows)
+
+
+def read_summary(label: str, directory: Path) -> list[dict]:
+    """Summary rows of a grid run or of an attention_overhead.py run (its one shape: MODEL_SIZE), for one table."""
+    grid_csv, overhead_csv = directory / "shape_grid_summary.csv", directory / "attention_overhead_summary.csv"
+    path = grid_csv if grid_csv.exists() else overhead_csv
+    rows = []
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["metric"] not in COLUMNS:
+                continue
+            for key in ("median", "cost_ratio", "ratio_min", "ratio_max"):
+                row[key] = float(row[key])
+            floor = row.get("floor_ratio", "")
+            row["floor_ratio"] = float(floor) if floor else None
+            row.setdefault("shape", shape_label(MODEL_SIZE))
+            rows.append({**row, "run": label})
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str] | tuple[str, ...]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(fields), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output-dir", type=Path, default=Path("runs/shape_grid"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--attn", default="sdpa", help="attn_implementation (eager, sdpa, flex_attention, ...)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--heads", type=int, nargs="+", default=[2, 8, 16], help="query heads")
+    p.add_argument("--kv-ratios", type=int, nargs="+", default=[1, 4], help="query heads per key head (1: no GQA)")
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--no-train", dest="train", action="store_false", help="skip the training step and its bytes")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded after the T-token prefill")
+    p.add_argument("--kv-prompt-len", type=int, default=32, help="prompt of the generate() cache measurement")
+    p.add_argument("--kv-new-tokens", type=int, default=16, help="tokens generate() adds before the cache is read")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--profile-worst", action="store_true", help="profile the worst shape of each time metric")
+    p.add_argument("--profile-rows", type=int, default=15)
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="LABEL=DIR",
+        help="print one Markdown table of earlier runs' summary CSVs (grid or attention_overhead.py) and exit",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.summarize:
+        rows, missing = [], []
+        for item in args.summarize:
+            label, _, directory = item.partition("=")
+            names = ("shape_grid_summary.csv", "attention_overhead_summary.csv")
+            if not any((Path(directory) / name).exists() for name in names):
+                missing.append(f"missing: {label} (no summary CSV under {directory})")
+                continue
+            rows += read_summary(label, Path(directory))
+        print(markdown(rows, run_column=True))
+        print("\n".join(missing))
+        return 0
+    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    summary, raw, sizes, skipped = run_grid(args)
+    write_csv(args.output_dir / "shape_grid_summary.csv", summary, SUMMARY_FIELDS)
+    write_csv(args.output_dir / "shape_grid_raw.csv", raw, list(raw[0]) if raw else [])
+    plot(summary, args.output_dir / "shape_grid_ratios.png")
+    print(
+        f"device={args.device} dtype={args.dtype} attn={args.attn} batch={args.batch} repeats={args.repeats} "
+        f"threads={torch.get_num_threads()} torch={torch.__version__} qkmap_hf={qkmap_hf.__version__}"
+    )
+    for name in skipped:
+        print(f"skipped: {name}")
+    print(markdown(summary))
+    print("\nworst shape per metric and variant (measured vs floor):")
+    worst = worst_shapes(summary)
+    for (metric, variant), row in sorted(worst.items(), key=lambda item: list(COLUMNS).index(item[0][0])):
+        print(f"- {COLUMNS[metric]}, {variant}: {row['shape']} T={row['seq_len']}: {format_cell(row)}")
+    if args.profile_worst:  # per time metric, the worst QK-MAP layout's worst shape, and standard there
+        by_label = {shape_label(size): size for size in sizes}
+        for metric in TIME_METRICS:
+            rows = [r for (m, v), r in worst.items() if m == metric and v.startswith("qk_map")]
+            if not rows:
+                continue
+            row = max(rows, key=lambda r: r["cost_ratio"])
+            for variant in (row["variant"], "standard"):
+                print(f"\n### profile, {COLUMNS[metric]}: {variant} at {row['shape']} T={row['seq_len']}")
+                print(profile_case(args, by_label[row["shape"]], variant, metric, int(row["seq_len"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The shape grid of benchmarks/shape_grid.py (issue 23) on one tiny shape: columns, ratios, KV bytes, floors."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import shape_grid  # noqa: E402
+from attention_overhead import variant_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> tuple[list[dict], Path]:
+    """d16, 4 query heads sharing 1 key/value head (GQA 4:1), 1 layer, T = 8, one repeat."""
+    args = shape_grid.parser().parse_args(
+        ["--head-dims", "16", "--heads", "4", "--kv-ratios", "4", "--layers", "1", "--seq-lens", "8"]
+        + ["--repeats", "1", "--decode-tokens", "1", "--kv-prompt-len", "3", "--kv-new-tokens", "2"]
+    )
+    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only waits on a loaded machine
+    try:
+        summary, _, _, skipped = shape_grid.run_grid(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert skipped == []
+    path = tmp_path_factory.mktemp("grid") / "shape_grid_summary.csv"
+    shape_grid.write_csv(path, summary, shape_grid.SUMMARY_FIELDS)
+    return summary, path
+
+
+def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid) -> None:
+    summary, path = grid
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        assert tuple(reader.fieldnames) == shape_grid.SUMMARY_FIELDS
+        rows = list(reader)
+    assert {(r["metric"], r["variant"]) for r in rows} == {
+        (metric, variant) for metric in shape_grid.COLUMNS for variant in shape_grid.VARIANTS
+    }
+    assert {r["shape"] for r in rows} == {"d16 h4/kv1 L1"}
+    for row in rows:
+        for key in ("cost_ratio", "ratio_min", "ratio_max"):
+            value = float(row[key])
+            assert math.isfinite(value) and value > 0, row
+        assert float(row["ratio_min"]) <= float(row["cost_ratio"]) <= float(row["ratio_max"])
+        # Every time metric carries its floor; activation bytes have none.
+        assert (row["floor_ratio"] != "") == (row["metric"] != "activation_bytes"), row
+    table = shape_grid.markdown(summary)
+    assert table.count("\n") == 1 + 3  # header, rule, one row per non-standard variant
+    assert "vs floor" in table
+
+
+def test_wide_kv_bytes_per_token_follow_the_cached_widths(grid) -> None:
+    summary, _ = grid
+    config = variant_config("qk_map_wide", shape_grid.shape_size(16, 4, 4, 1))
+    # Keys are cached after the feature map (2 F m wide), values at head_dim; standard caches both at head_dim.
+    two_f_m = 2 * config.qkmap_num_frequencies * config.resolved_qkmap_input_dim
+    expected = (two_f_m + config.head_dim) / (2 * config.head_dim)
+    assert expected != 1  # the check below must be able to fail
+    by_key = {(r["metric"], r["variant"]): r for r in summary}
+    for cache in ("dynamic", "static"):
+        wide, standard = (
+            by_key[(f"kv_bytes_per_token_{cache}", "qk_map_wide")],
+            by_key[(f"kv_bytes_per_token_{cache}", "standard")],
+        )
+        assert wide["median"] / standard["median"] == pytest.approx(expected, rel=0.01)
+        # float32, 1 key/value head, 1 layer: standard holds 16 + 16 floats per token.
+        assert standard["median"] == (16 + 16) * 4
+
+
+def test_floor_matches_a_hand_count() -> None:
+    size = shape_grid.shape_size(16, 4, 4, 1)
+    assert (size["hidden_size"], size["intermediate_size"], size["num_key_value_heads"]) == (64, 192, 1)
+    T = 8
+    # Per token: q, k, v, o projections (4*16 + 16 + 16 + 4*16 outputs of 64 inputs), MLP 3 x 64 x 192, 2 FLOPs each.
+    per_token = 2 * 64 * (64 + 16 + 16 + 64) + 2 * 3 * 64 * 192
+    lm_head = 2 * 64 * 4096
+    pairs = T * (T + 1) // 2  # causal
+    standard_forward = T * per_token + 2 * 4 * pairs * (16 + 16) + T * lm_head
+    # Wide: m = 16, keys 2m = 32 wide, z projections as wide as standard's; sdpa pads values to 32 for T > 1.
+    wide_forward = T * per_token + 2 * 4 * pairs * (32 + 32) + T * lm_head
+    assert shape_grid.floor_ratio(size, "qk_map_wide", "train_tokens_per_s", T) == pytest.approx(
+        wide_forward / standard_forward, rel=1e-12
+    )
+    # Decoding one token against T cached ones: sdpa's single-query path leaves the values unpadded.
+    standard_decode = per_token + 2 * 4 * T * (16 + 16) + lm_head
+    wide_decode = per_token + 2 * 4 * T * (32 + 16) + lm_head
+    assert shape_grid.floor_ratio(size, "qk_map_wide", "decode_ms_per_token", T) == pytest.approx(
+        wide_decode / standard_decode, rel=1e-12
+    )
+    # Compact: m = 8, q/k projections half as wide, keys 16 wide: no padding, fewer FLOPs than standard.
+    compact_forward = T * (per_token - 2 * 64 * (32 + 8)) + 2 * 4 * pairs * (16 + 16) + T * lm_head
+    assert shape_grid.floor_ratio(size, "qk_map_compact", "forward_tokens_per_s", T) == pytest.approx(
+        compact_forward / standard_forward, rel=1e-12
+    )
+    assert shape_grid.floor_ratio(size, "qk_map_wide", "activation_bytes", T) is None
+
+
+def test_grid_skips_and_names_shapes_gqa_cannot_divide() -> None:
+    sizes, skipped = shape_grid.grid_shapes([64], [2, 8], [1, 4], [2])
+    assert [(s["num_attention_heads"], s["num_key_value_heads"]) for s in sizes] == [(2, 2), (8, 8), (8, 2)]
+    assert len(skipped) == 1 and "h2 GQA 4:1" in skipped[0]
+
+
+def test_summarize_reads_grid_and_overhead_csvs(grid, tmp_path, capsys) -> None:
+    _, path = grid
+    overhead = tmp_path / "overhead"
+    overhead.mkdir()
+    with open(overhead / "attention_overhead_summary.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["metric", "seq_len", "variant", "median", "cost_ratio", "ratio_min", "ratio_max"])
+        writer.writerow(["train_tokens_per_s", 64, "qk_map_wide", 100.0, 1.25, 1.2, 1.3])
+    assert shape_grid.main(["--summarize", f"grid={path.parent}", f"sdpa={overhead}", f"gone={tmp_path / 'x'}"]) == 0
+    out = capsys.readouterr().out
+    assert "| sdpa | d64 h8/kv8 L4 | 64 | qk_map_wide | 1.250x [1.20-1.30] |" in out
+    assert "| grid | d16 h4/kv1 L1 | 8 | qk_map_wide |" in out
+    assert f"missing: gone (no summary CSV under {tmp_path / 'x'})" in out
