@@ -21,13 +21,6 @@ from typing import Any
 logger = logging.getLogger("qkmap_hf_serving.vllm_plugin")
 
 MODEL_TYPE = "qkmap"
-REMOTE_CODE_FILES = (
-    "configuration_qkmap.py",
-    "modeling_qkmap.py",
-    "attention_qkmap.py",
-    "feature_map_qkmap.py",
-    "position_prior.py",
-)
 
 
 def query_key_width(config: Any) -> int:
@@ -87,7 +80,7 @@ def check_folder_code(folder: str | os.PathLike) -> list[str]:
         return []
     differing = [
         name
-        for name in REMOTE_CODE_FILES
+        for name in sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")  # the copied files
         if (folder / name).is_file()
         and (package / name).is_file()
         and (folder / name).read_bytes() != (package / name).read_bytes()
@@ -122,4 +115,4 @@ def register() -> None:
     convertors.MODEL_ARCH_CONFIG_CONVERTORS[MODEL_TYPE] = QKMapArchConfigConvertor
 
 
-__all__ = ["REMOTE_CODE_FILES", "check_folder_code", "forward_dispatches", "query_key_width", "register"]
+__all__ = ["check_folder_code", "forward_dispatches", "query_key_width", "register"]
