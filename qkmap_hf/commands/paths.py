@@ -6,25 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-
-def could_be_hub_id(value: str) -> bool:
-    """``org/name`` or ``name`` as huggingface_hub accepts them (a relative path that does not exist may be one)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if value.startswith((".", "/", "~")):
-        return False
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
+from ..hub import is_repo_id
 
 
 def require_path(option: str, value: str | None, what: str = "file or folder", *, hub_id_ok: bool = False) -> None:
     """Raise ``FileNotFoundError`` naming ``option`` and ``value`` unless the path exists (or may be a Hub id)."""
     if value is None or Path(value).expanduser().exists():
         return
-    if hub_id_ok and could_be_hub_id(value):
+    if hub_id_ok and is_repo_id(value):
         return
     hint = " (or a Hub repo id in the local cache)" if hub_id_ok else ""
     raise FileNotFoundError(f"{option} {value}: no such {what}{hint}; check the path.")

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from ..filenames import VERIFICATION_NAME
+from ..hub import is_repo_id
 from ..provenance import PROVENANCE_FILES, ConversionRecord
 from .api import ConversionResult, convert_to_folder
 from .errors import ConversionError
 from .options import DEFAULT_OMEGA0, ConversionOptions
-from .sources import DEFAULT_MAX_SHARD_BYTES, ResolvedSource, looks_like_repo_id, resolve_source
+from .sources import DEFAULT_MAX_SHARD_BYTES, ResolvedSource, resolve_source
 
 PROVENANCE_NAME = PROVENANCE_FILES["conversion"]
 
@@ -155,7 +156,7 @@ def _guess_base_model(resolved: ResolvedSource, config: dict[str, Any]) -> str:
     if resolved.repo_id:
         return resolved.repo_id
     name = config.get("_name_or_path") or ""
-    return name if looks_like_repo_id(name) and "/" in name and not Path(name).exists() else resolved.label
+    return name if is_repo_id(name) and "/" in name and not Path(name).exists() else resolved.label
 
 
 def _qkmap_version() -> str:

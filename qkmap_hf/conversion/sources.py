@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..filenames import PICKLE_SUFFIXES, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, TOKENIZER_FILES
+from ..hub import is_repo_id
 from ..safety import check_not_escaping, contained_path, find_pickles
 from .errors import ConversionError
 
@@ -304,11 +305,6 @@ class ResolvedSource:
         return self.gguf_file is not None or any((self.directory / n).is_file() for n in TOKENIZER_FILES)
 
 
-def looks_like_repo_id(text: str) -> bool:
-    parts = text.split("/")
-    return 1 <= len(parts) <= 2 and all(p and not p.startswith(".") for p in parts) and "\\" not in text
-
-
 def resolve_source(
     src: str | os.PathLike, gguf_file: str | None = None, cache_dir: str | os.PathLike | None = None
 ) -> ResolvedSource:
@@ -324,7 +320,7 @@ def resolve_source(
         raise ConversionError(f"SRC {label} is a file; pass the checkpoint folder (or a .gguf file).")
     if path.is_dir():
         directory = path.absolute()
-    elif looks_like_repo_id(label) and not path.exists():
+    elif is_repo_id(label) and not path.exists():
         from huggingface_hub import snapshot_download
 
         try:
