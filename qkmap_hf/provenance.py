@@ -15,12 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .fileio import atomic_write_json
-
-PROVENANCE_FILES = {
-    "conversion": "qkmap_conversion.json",
-    "training": "qkmap_training.json",
-    "healing": "qkmap_healing.json",
-}
+from .filenames import PROVENANCE_FILES
 
 
 @dataclass

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .filenames import PROVENANCE_FILES
+
 _PICKLE_PROTOCOL_OPCODE = 0x80  # PROTO, first opcode of every protocol 2+ pickle
 _PROBE_BYTES = 1 << 16
 _SMALL_PICKLE_BYTES = 4 << 20  # protocol 0/1 pickles have no magic bytes: parse small files whole
 _NPY_MAGIC = b"\x93NUMPY"
-PROVENANCE_MARKERS = ("qkmap_conversion.json", "qkmap_training.json")
+PROVENANCE_MARKERS = tuple(PROVENANCE_FILES.values())
 
 
 def _parses_as_pickle(data: bytes, *, whole: bool) -> bool:
@@ -191,9 +193,9 @@ def is_model_folder(folder: Path) -> bool:
 # The record each command leaves, most specific first: a heal folder also holds the training record (heal is
 # train plus more) and a copy of the conversion record.
 WRITER_RECORDS = (
-    ("qkmap heal", "qkmap_healing.json"),
-    ("qkmap train", "qkmap_training.json"),
-    ("qkmap convert", "qkmap_conversion.json"),
+    ("qkmap heal", PROVENANCE_FILES["healing"]),
+    ("qkmap train", PROVENANCE_FILES["training"]),
+    ("qkmap convert", PROVENANCE_FILES["conversion"]),
     ("qkmap compare", "compare.json"),
     ("qkmap compare", "summary.json"),
 )

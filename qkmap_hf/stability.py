@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from .fileio import atomic_write_json, atomic_write_text
+from .filenames import PROVENANCE_FILES
 from .monitoring import monitor_series
 from .training.sweep import DIVERGED_FILE, format_interval, paired_interval
 
 BASELINES = ("standard", "qk_norm")
 LEARNING_RATE = "learning_rate"
+TRAINING_RECORD = PROVENANCE_FILES["training"]  # each run's qkmap_training.json: its log history, the monitor's too
 
 
 @dataclass
@@ -142,7 +144,7 @@ def _setting_folder(folder: Path, arm: str, lr: float) -> Path | None:
 def tuning_history(folder: Path, arm: str, lr: float) -> list[dict] | None:
     """The Trainer log history of one tuning run (its ``qkmap_training.json``), or None when it is not there."""
     run = _setting_folder(folder, arm, lr)
-    record = run / "qkmap_training.json" if run else None
+    record = run / TRAINING_RECORD if run else None
     if record is None or not record.exists():
         return None
     return json.loads(record.read_text()).get("log_history")
@@ -315,10 +317,10 @@ def archive(root: Path, destination: Path) -> list[Path]:
     for folder in sweep_folders(root):
         relative = folder.relative_to(root)
         files = [folder / name for name in ARCHIVED if (folder / name).is_file()]
-        files += sorted(folder.glob("runs/*/*/qkmap_training.json")) + sorted(
-            folder.glob("runs/report/*/*/qkmap_training.json")
+        files += sorted(folder.glob(f"runs/*/*/{TRAINING_RECORD}")) + sorted(
+            folder.glob(f"runs/report/*/*/{TRAINING_RECORD}")
         )
-        files += sorted(folder.glob("models/*/*/qkmap_training.json"))
+        files += sorted(folder.glob(f"models/*/*/{TRAINING_RECORD}"))
         for source in files:
             target = destination / relative / source.relative_to(folder)
             target.parent.mkdir(parents=True, exist_ok=True)

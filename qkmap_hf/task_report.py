@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .fileio import atomic_write_json, atomic_write_text
-from .stability import BASELINES
+from .stability import BASELINES, TRAINING_RECORD
 from .training.sweep import format_interval, paired_interval
 
 THRESHOLDS = (0.5, 0.9)
@@ -26,7 +26,7 @@ THRESHOLDS = (0.5, 0.9)
 def accuracy_curves(sweep: Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """``{arm: {seed: [(step, eval_accuracy), ...]}}`` from a sweep's report runs (its ``shard-*`` folders too)."""
     curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
-    patterns = ("runs/report/*/seed*/qkmap_training.json", "models/*/seed*/qkmap_training.json")
+    patterns = (f"runs/report/*/seed*/{TRAINING_RECORD}", f"models/*/seed*/{TRAINING_RECORD}")
     records = [r for folder in (sweep, *sweep.glob("shard-*")) for pattern in patterns for r in folder.glob(pattern)]
     for record in sorted(records):
         arm, seed = record.parent.parent.name, int(record.parent.name.removeprefix("seed"))
