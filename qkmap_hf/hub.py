@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .cleanroom import run_without_qkmap_hf
-from .filenames import PICKLE_SUFFIXES, TOKENIZER_FILES
+from .filenames import TOKENIZER_FILES
 from .safety import escape_reason, find_pickles, symlinks_in
 from .version import __version__
 
@@ -287,13 +287,6 @@ def _check_config(folder: Path, problems: list[str]) -> dict | None:
 def _check_weights(folder: Path, problems: list[str]) -> None:
     names = files_to_upload(folder)
     found = dict(find_pickles(folder, names))
-    found.update(
-        {
-            name: "a pickle-format file name"
-            for name in names
-            if Path(name).suffix in PICKLE_SUFFIXES and name not in found
-        }
-    )
     if found:
         listed = ", ".join(f"{name} ({reason})" for name, reason in sorted(found.items()))
         problems.append(

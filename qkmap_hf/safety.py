@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .filenames import PROVENANCE_FILES
+from .filenames import PICKLE_SUFFIXES, PROVENANCE_FILES
 
 _PICKLE_PROTOCOL_OPCODE = 0x80  # PROTO, first opcode of every protocol 2+ pickle
 _PROBE_BYTES = 1 << 16
@@ -106,10 +106,13 @@ def _npy_is_object(head: bytes) -> bool:
 
 
 def find_pickles(folder: str | os.PathLike, names: Iterable[str]) -> list[tuple[str, str]]:
-    """``(name, reason)`` for each of ``names`` (relative to ``folder``) whose content is pickled."""
+    """``(name, reason)`` for each of ``names`` (relative to ``folder``) that is a pickle: by content (a renamed
+    ``.pt`` is still one), else by a pickle-format suffix (an empty or unreadable ``.bin`` is refused too)."""
     found = []
     for name in names:
         reason = pickle_reason(Path(folder) / name)
+        if reason is None and name.endswith(PICKLE_SUFFIXES):
+            reason = "a pickle-format file name"
         if reason is not None:
             found.append((name, reason))
     return found

@@ -246,8 +246,7 @@ def refuse_pickle_only(directory: Path) -> None:
     files = sorted(
         p.name for p in directory.iterdir() if p.is_file() and not p.name.endswith((".json", ".safetensors"))
     )
-    by_content = {name for name, _ in find_pickles(directory, files)}
-    pickles = sorted(by_content | {name for name in files if name.endswith(PICKLE_SUFFIXES)})
+    pickles = sorted(name for name, _ in find_pickles(directory, files))
     if pickles:
         raise ConversionError(
             f"{directory}: only pickle checkpoint files found ({', '.join(pickles[:4])}). Pickle files can execute "
