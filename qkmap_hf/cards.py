@@ -24,6 +24,7 @@ from urllib.parse import quote
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .fileio import atomic_copy, atomic_write_text
+from .hub import is_repo_id
 from .phases import describe, regime_from_roles
 from .provenance import PROVENANCE_FILES, ProvenanceRecord, load_provenance
 from .safety import contained_path
@@ -34,7 +35,6 @@ ANALYSIS_SUBDIR = "analysis"
 BASE_TAGS = ["qk-map", "qkmap", "custom_code", "text-generation"]
 DEFAULT_LICENSE = "apache-2.0"
 GENERATED_MARKER = "- **Produced with:** qkmap-hf"  # a line of the template: this README is one of our cards
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _BASE_MODEL_KEYS = ("base_model", "source_model_id", "source_repo_id", "source_model", "source")
 _MODE_DESCRIPTIONS = {
     "standard": "Llama attention, unchanged (the baseline).",
@@ -251,9 +251,14 @@ def _base_model(records: dict[str, dict]) -> str | None:
     for record in records.values():
         for key in _BASE_MODEL_KEYS:
             value = record.get(key)
-            if isinstance(value, str) and _HUB_ID.match(value) and not Path(value).exists():
+            if isinstance(value, str) and _is_hub_id(value) and not Path(value).exists():
                 return value
     return None
+
+
+def _is_hub_id(text: str) -> bool:
+    """``ORG/NAME`` as huggingface_hub accepts it: what the card's metadata may name as a model or dataset."""
+    return "/" in text and is_repo_id(text)
 
 
 def _datasets(records: dict[str, dict]) -> list[str] | None:
@@ -261,7 +266,7 @@ def _datasets(records: dict[str, dict]) -> list[str] | None:
     for record in records.values():
         value = record.get("datasets", record.get("dataset"))
         for item in [value] if isinstance(value, str) else value or []:
-            if isinstance(item, str) and _HUB_ID.match(item) and item not in found:
+            if isinstance(item, str) and _is_hub_id(item) and item not in found:
                 found.append(item)
     return found or None
 
@@ -454,7 +459,7 @@ def render_model_card(
         settings=_settings(config),
         phase_rows=phase_rows,
         phase_regime=phase_regime,
-        usage_repo_id=model_name if model_name and _HUB_ID.match(model_name) else f"your-org/{repo_id_for_code(name)}",
+        usage_repo_id=model_name if model_name and _is_hub_id(model_name) else f"your-org/{repo_id_for_code(name)}",
         provenance_sections=_provenance_sections(records),
         eval_rows=[{key: markdown_text(value) for key, value in row.items()} for row in eval_rows(results or {})],
         eval_meta={

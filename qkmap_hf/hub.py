@@ -52,7 +52,6 @@ IGNORE_PATTERNS = [
 ]
 LOAD_CHECK_TIMEOUT_S = 900
 _IMPORTS_QKMAP_HF = re.compile(r"^\s*(?:from\s+qkmap_hf[\s.]|import\s+qkmap_hf\b)", re.MULTILINE)
-_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import\b", re.MULTILINE)
 
 _CLEAN_LOAD = textwrap.dedent(
     """
@@ -246,6 +245,8 @@ def _remote_code_files(auto_map: dict) -> set[str]:
 
 
 def _check_config(folder: Path, problems: list[str]) -> dict | None:
+    from transformers.dynamic_module_utils import get_relative_imports
+
     path = folder / "config.json"
     if not path.is_file():
         problems.append(f"{path} is missing: save the model with save_pretrained (or `qkmap convert`) first.")
@@ -280,7 +281,7 @@ def _check_config(folder: Path, problems: list[str]) -> dict | None:
             problems.append(
                 f"{name} imports qkmap_hf, which downloaders may not have; remote code must import only torch/transformers."
             )
-        pending.extend(f"{module}.py" for module in _RELATIVE_IMPORT.findall(text))
+        pending.extend(f"{module}.py" for module in sorted(get_relative_imports(code)))  # transformers' own walk
     return config
 
 
