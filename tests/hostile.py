@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import stat
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -118,3 +120,14 @@ def tiny_gguf(folder: Path, name: str = "tiny.gguf", seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return folder
+
+
+@pytest.fixture(scope="module")
+def pristine_llama(tmp_path_factory) -> Path:
+    """A tiny Llama folder made once per module; tests get a copy (``src``) they may damage."""
+    return tiny_llama(tmp_path_factory.mktemp("hostile") / "llama")
+
+
+@pytest.fixture
+def src(pristine_llama: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(pristine_llama, tmp_path / "models" / "llama"))

@@ -16,20 +16,10 @@ from qkmap_hf.cards import write_model_card
 from qkmap_hf.hub import validate_for_push
 from qkmap_hf.safety import contained_path, escape_reason
 
-from .hostile import assert_refused, run_cli, tiny_llama, tree_digest
+from .hostile import assert_refused, run_cli, tree_digest
 from .utils import tiny_config_kwargs
 
 SECRET = b"api_key = hunter2\n"
-
-
-@pytest.fixture(scope="module")
-def pristine_llama(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("hostile-containment") / "llama")
-
-
-@pytest.fixture
-def src(pristine_llama, tmp_path):
-    return shutil.copytree(pristine_llama, tmp_path / "models" / "llama")
 
 
 def _shard(src, outside_entry: str) -> None:

@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from qkmap_hf.verify import VerificationReport
 
-from .hostile import assert_refused, run_cli, tiny_llama, tree_digest
-
-
-@pytest.fixture(scope="module")
-def pristine_llama(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("hostile-convert") / "llama")
-
-
-@pytest.fixture
-def src(pristine_llama, tmp_path):
-    import shutil
-
-    return shutil.copytree(pristine_llama, tmp_path / "models" / "llama")
+from .hostile import assert_refused, run_cli, tree_digest
 
 
 def test_overwrite_never_replaces_the_working_folder(src, tmp_path, capsys, monkeypatch):
