@@ -39,6 +39,10 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .modeling.construction_qkmap import qkmap_gain_bound
+from .modeling.qk_registry import constructions_for
+from .modeling.query_key import QueryKeyRMSNorm
+
 MONITOR_PREFIX = "monitor/"
 MONITOR_ATTENTION = "qkmap_monitor"
 DEFAULT_MONITOR_STEPS = 50
@@ -105,45 +109,18 @@ def attention_statistics(logits: torch.Tensor, visible: torch.Tensor) -> dict[st
     }
 
 
-def qkmap_gain_bound(query_gain: torch.Tensor, key_gain: torch.Tensor) -> torch.Tensor:
-    """Per key/value head, ``sqrt(sum max(a_cos^2, a_sin^2))`` of the query gains times the same of the key gains.
-
-    ``||phi(z)||^2 = sum_j a_cos,j^2 cos^2(omega_j z_j) + a_sin,j^2 sin^2(omega_j z_j) <= sum_j max(a_cos,j^2,
-    a_sin,j^2)`` whatever ``z`` is, RoPE keeps norms, and Cauchy-Schwarz bounds the product of two features: times
-    the logit scale this bounds every logit of the head. Gains are effective gains ``(kv_heads, 2F, m)``.
-    """
-
-    def side(gain: torch.Tensor) -> torch.Tensor:
-        rows = gain.detach().float().unflatten(1, (-1, 2))  # (kv_heads, F, 2, m)
-        return rows.square().amax(dim=2).sum(dim=(1, 2)).sqrt()
-
-    return side(query_gain) * side(key_gain)
-
-
 def parameter_statistics(attention: nn.Module, scaling: float) -> dict[str, float]:
-    """The parameter side of one layer: the logit bound its parameters imply, gain or norm-weight sizes, omega."""
-    feature_map = getattr(attention, "qk_map", None)
-    if feature_map is not None and callable(getattr(feature_map, "frequency", None)):
-        frequency = feature_map.frequency().detach()
-        query_gain = feature_map.effective_gain(feature_map.query_gain, frequency).detach()
-        key_gain = feature_map.effective_gain(feature_map.key_gain, frequency).detach()
-        return {
-            "logit_bound": float(scaling * qkmap_gain_bound(query_gain, key_gain).max()),
-            "query_gain_norm": float(query_gain.flatten(1).norm(dim=-1).max()),
-            "key_gain_norm": float(key_gain.flatten(1).norm(dim=-1).max()),
-            "frequency_min": float(frequency.min()),
-            "frequency_max": float(frequency.max()),
-        }
-    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-    weights = [getattr(norm, "weight", None) for norm in (q_norm, k_norm)]
-    if all(isinstance(w, torch.Tensor) for w in weights):
-        q_max, k_max = (float(w.detach().float().abs().max()) for w in weights)
-        return {
-            "logit_bound": scaling * weights[0].numel() * q_max * k_max,
-            "q_norm_weight_max": q_max,
-            "k_norm_weight_max": k_max,
-        }
-    return {}
+    """The parameter side of one layer (the logit bound its parameters imply, gain or norm-weight sizes, omega), as
+    its query/key constructions report it. An attention of another family with per-head norms (a Qwen3) is read as
+    QK-Norm."""
+    config = getattr(attention, "config", None)
+    statistics: dict[str, float] = {}
+    for construction in constructions_for(config) if config is not None else ():
+        statistics.update(construction.statistics(attention, scaling))
+    norms = [getattr(getattr(attention, name, None), "weight", None) for name in QueryKeyRMSNorm.modules]
+    if not statistics and all(isinstance(weight, torch.Tensor) for weight in norms):
+        statistics = QueryKeyRMSNorm.statistics(attention, scaling)
+    return statistics
 
 
 @dataclass

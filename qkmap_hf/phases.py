@@ -1,7 +1,7 @@
 """Phase statistics of QK-MAP layers and the regime they put a model in: the one definition for the whole package.
 
-The phase of a query/key channel is ``omega * z`` (``z`` the output of ``q_proj``/``k_proj``; query heads use their
-key head's ``omega``). While it is small, ``(1/omega) sin(omega z) ~ z`` and the layer is standard attention in
+The phase of a query/key channel is ``omega * z`` (``z`` what the feature map is given: the output of
+``q_proj``/``k_proj``, or of the input norm where there is one; query heads use their key head's ``omega``). While it is small, ``(1/omega) sin(omega z) ~ z`` and the layer is standard attention in
 disguise (an exact conversion); once the top tenth of ``|omega z|`` reaches 1 rad, large magnitudes sit in the
 bounded part of the sine and the layer computes QK-MAP proper. ``qkmap verify``, ``qkmap analyze``, the model card
 and ``qkmap heal`` all read these numbers from here:
@@ -18,6 +18,7 @@ and ``qkmap heal`` all read these numbers from here:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,11 +121,23 @@ def feature_map_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-class PhaseRecorder:
-    """Forward hooks on ``q_proj``/``k_proj`` of every QK-MAP layer; ``summary()`` gives the per-layer statistics.
+def hook_feature_map_inputs(attention: nn.Module, record: Callable[[str, torch.Tensor], None]):
+    """Call ``record(role, z)`` with the ``z`` the layer's feature map is given, ``(batch, seq, heads, m)`` for each
+    of ``"query"`` and ``"key"`` (after the input norm where there is one); returns the hook handle."""
 
-    Accumulates over any number of forward passes (an evaluation loop): a strided subsample of the phases for the
-    quantiles and exact running sums of cos/sin feature energy. Use as a context manager to remove the hooks.
+    def pre_hook(_feature_map: nn.Module, inputs: tuple) -> None:
+        for role, z in zip(("query", "key"), inputs[:2], strict=True):
+            record(role, z.transpose(1, 2))  # the feature map takes (batch, heads, seq, m)
+
+    return attention.qk_map.register_forward_pre_hook(pre_hook)
+
+
+class PhaseRecorder:
+    """A forward pre-hook on the feature map of every QK-MAP layer; ``summary()`` gives the per-layer statistics.
+
+    The hook sees exactly the ``z`` the feature map is given (after an input norm, where a converted QK-Norm model
+    has one). Accumulates over any number of forward passes (an evaluation loop): a strided subsample of the phases
+    for the quantiles and exact running sums of cos/sin feature energy. Use as a context manager to remove the hooks.
     """
 
     def __init__(self, model: nn.Module, samples_per_pass: int = 20_000):
@@ -134,17 +147,14 @@ class PhaseRecorder:
         self.energy: dict[int, dict[str, list[float]]] = {}
         for index, attention in enumerate(feature_map_layers(model)):
             layer = int(getattr(attention, "layer_idx", index))
-            # The feature map sees the input norm's output where there is one (converted QK-Norm models).
-            sources = ("q_norm", "k_norm") if hasattr(attention, "q_norm") else ("q_proj", "k_proj")
-            for role, name in zip(("query", "key"), sources, strict=True):
-                self.handles.append(getattr(attention, name).register_forward_hook(self._hook(layer, role, attention)))
+            self.handles.append(hook_feature_map_inputs(attention, self._recorder(layer, attention)))
 
-    def _hook(self, layer: int, role: str, attention: nn.Module):
-        def record(_module, _inputs, output: torch.Tensor) -> None:
+    def _recorder(self, layer: int, attention: nn.Module) -> Callable[[str, torch.Tensor], None]:
+        def record(role: str, z: torch.Tensor) -> None:
             with torch.no_grad():
                 feature_map = attention.qk_map
                 frequency = feature_map.frequency()
-                phases = phase_magnitudes(output, frequency, input_dim_of(attention))
+                phases = phase_magnitudes(z, frequency, input_dim_of(attention))
                 gain = feature_map.query_gain if role == "query" else feature_map.key_gain
                 energy = cos_sin_energy(phases, feature_map.effective_gain(gain, frequency))
                 totals = self.energy.setdefault(layer, {}).setdefault(role, [0.0, 0.0])
@@ -203,6 +213,7 @@ __all__ = [
     "cos_share",
     "describe",
     "feature_map_layers",
+    "hook_feature_map_inputs",
     "layer_label",
     "phase_magnitudes",
     "quantiles",

@@ -61,7 +61,8 @@ def test_qk_modules_to_save_follow_the_mode():
         "k_norm",
         "position_prior",
     ]
-    assert peft_support.qk_modules_to_save(_tiny("qk_map", qkmap_input_norm=True)) == ["qk_map", "q_norm", "k_norm"]
+    # stage order: the input norm before the feature map
+    assert peft_support.qk_modules_to_save(_tiny("qk_map", qkmap_input_norm=True)) == ["q_norm", "k_norm", "qk_map"]
 
 
 @pytest.mark.slow

@@ -17,12 +17,9 @@ from qkmap_hf import QKMapConfig
 from qkmap_hf.cleanroom import run_without_qkmap_hf
 from tests.utils import run_clean_python, tiny_config_kwargs
 
-REMOTE_CODE_FILES = (
-    "configuration_qkmap.py",
-    "modeling_qkmap.py",
-    "attention_qkmap.py",
-    "feature_map_qkmap.py",
-    "position_prior.py",
+# Every file of qkmap_hf/modeling is checkpoint-carried (its __init__ only re-exports them for the package).
+REMOTE_CODE_FILES = tuple(
+    sorted(p.name for p in (Path(qkmap_hf.__file__).parent / "modeling").glob("*.py") if p.name != "__init__.py")
 )
 INPUT_IDS = [[5, 17, 42, 99, 7, 3, 250, 11], [9, 8, 7, 6, 5, 4, 3, 2]]
 

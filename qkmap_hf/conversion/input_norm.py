@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..modeling.qk_registry import constructions_for
 from .errors import ConversionError
 
 
@@ -81,7 +82,8 @@ def fold_input_norm(model: torch.nn.Module) -> torch.nn.Module:
             f"config.qkmap_input_norm_power={config.qkmap_input_norm_power}: only a norm at power 0 is a fixed scale "
             "that folds exactly; anneal it to 0 first (set_input_norm_power)."
         )
-    for attention, norm_name, projection_name in _norm_pairs(model):
+    pairs = _norm_pairs(model)
+    for attention, norm_name, projection_name in pairs:
         norm, projection = getattr(attention, norm_name), getattr(attention, projection_name)
         scale = norm.weight.float().unsqueeze(0) / norm.reference_scale.float().unsqueeze(-1)  # (heads, dim)
         weight = projection.weight
@@ -91,6 +93,8 @@ def fold_input_norm(model: torch.nn.Module) -> torch.nn.Module:
         delattr(attention, norm_name)
     config.qkmap_input_norm = False
     config.qkmap_input_norm_power = 1.0
+    for attention, _, _ in pairs:
+        attention.qk_constructions = constructions_for(config)  # the input-norm stage is gone
     return model
 
 

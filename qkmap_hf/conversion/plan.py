@@ -1,8 +1,9 @@
 """The plan: every output tensor with its shape, dtype, shard and origin, checked against the QK-MAP model.
 
 The adapter says which outputs each source tensor feeds (``tensor_outputs``); the plan places each output
-in the shard of its first source (created tensors join their layer's attention), adds the qk_map
-parameters, and refuses names, shapes or gaps the model would not load. ``convert_checkpoint`` and
+in the shard of its first source (created tensors join their layer's attention), adds the tensors the query/key
+constructions create (``QueryKeyConstruction.created_tensors``: the qk_map parameters, an input norm's reference
+scale) where the source has none, and refuses names, shapes or gaps the model would not load. ``convert_checkpoint`` and
 ``convert_model`` share it, so disk and memory can never disagree about a tensor.
 """
 
@@ -14,11 +15,10 @@ from collections.abc import Callable
 import torch
 
 from ..modeling.configuration_qkmap import QKMapConfig
+from ..modeling.qk_registry import constructions_for
 from .adapters import ArchitectureAdapter, OutputTensor
 from .errors import ConversionError
 from .sources import FileSpan, ShardReader, TensorSource
-
-QKMAP_PARAMETERS = ("log_frequency", "query_gain", "key_gain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class ConversionPlan:
     config: QKMapConfig
     shards: list[tuple[str, list[PlannedTensor]]]
     sharded: bool
-    dtype: torch.dtype  # dtype of the converted weights (qk_map parameters stay float32)
+    dtype: torch.dtype  # dtype of the converted weights (a construction's float32 modules stay float32)
 
     @property
     def num_tensors(self) -> int:
@@ -75,11 +75,21 @@ def expected_parameters(config: QKMapConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def qkmap_initial_values(config: QKMapConfig) -> dict[str, torch.Tensor]:
-    """The qk_map parameters of one layer, from the model's own ``QKMapFeatureMap.initial_values``."""
-    from ..modeling.modeling_qkmap import QKMapFeatureMap
+def construction_tensors(config: QKMapConfig) -> list[OutputTensor]:
+    """The tensors the query/key constructions create in every layer, at the values a fresh model starts from."""
+    outputs = []
+    for construction in constructions_for(config):
+        for name, value in construction.created_tensors(config).items():
+            outputs += [
+                OutputTensor(f"model.layers.{layer}.self_attn.{name}", compute=value.clone)
+                for layer in range(config.num_hidden_layers)
+            ]
+    return outputs
 
-    return {name: value.float() for name, value in QKMapFeatureMap(config).initial_values().items()}
+
+def float32_prefixes(config: QKMapConfig) -> tuple[str, ...]:
+    """Name fragments of the modules kept in float32 (``_keep_in_fp32_modules``: phases and gains)."""
+    return tuple(f".self_attn.{name}." for c in constructions_for(config) for name in c.float32_modules)
 
 
 def plan_conversion(
@@ -91,8 +101,10 @@ def plan_conversion(
     out_dtype = dtype or source.dominant_dtype()
     infos = {name: info for _, shard_infos in source.shards for name, info in shard_infos.items()}
 
+    float32 = float32_prefixes(config)
+
     def output_dtype(name: str, source_dtype: torch.dtype) -> torch.dtype:
-        if ".qk_map." in name:
+        if any(fragment in name for fragment in float32):
             return torch.float32  # _keep_in_fp32_modules: phases and gains stay float32
         return out_dtype if (dtype is not None and source_dtype.is_floating_point) else source_dtype
 
@@ -138,19 +150,14 @@ def plan_conversion(
                 )
         shards.append((shard, planned))
 
-    initial = qkmap_initial_values(config)
-    created: list[OutputTensor] = [
-        OutputTensor(f"model.layers.{layer}.self_attn.qk_map.{param}", compute=initial[param].clone)
-        for layer in range(config.num_hidden_layers)
-        for param in QKMAP_PARAMETERS
-    ]
+    created = [output for output in construction_tensors(config) if output.name not in produced]
     created += [output for output in adapter.created_tensors(config) if output.name not in produced]
     for output in created:
         if output.name not in expected:
             raise ConversionError(f"internal: {output.name!r} is not a parameter of the QK-MAP model.")
         layer_prefix = output.name.rsplit(".", 2)[0] + "."
         target = next((i for i, (_, ts) in enumerate(shards) if any(t.name.startswith(layer_prefix) for t in ts)), -1)
-        created_dtype = torch.float32 if ".qk_map." in output.name else out_dtype
+        created_dtype = torch.float32 if any(fragment in output.name for fragment in float32) else out_dtype
         shards[target][1].append(PlannedTensor(output.name, expected[output.name], created_dtype, (), output.compute))
         produced[output.name] = output
 
@@ -163,4 +170,4 @@ def plan_conversion(
     return ConversionPlan(adapter, config, shards, source.sharded, out_dtype)
 
 
-__all__ = ["QKMAP_PARAMETERS", "ConversionPlan", "PlannedTensor", "expected_parameters", "plan_conversion"]
+__all__ = ["ConversionPlan", "construction_tensors", "PlannedTensor", "expected_parameters", "plan_conversion"]

@@ -13,14 +13,16 @@ import math
 from transformers.activations import ACT2FN
 from transformers.models.llama.configuration_llama import LlamaConfig
 
+from .cos_blocks import COS_BLOCKS
+from .gain_treatments import GAIN_TREATMENTS
+
 QK_MODES = ("standard", "qk_norm", "qk_map")
 QKMAP_FREQUENCY_SHARING = ("channel", "head")
 QKMAP_GAIN_PARAMETRIZATIONS = ("absolute", "inverse_frequency")
 QKMAP_INITS = ("native", "exact")
-# How training treats the QK-MAP gains (docs/stability.md): they set the logit bound, so they decide whether it holds.
-QKMAP_GAIN_TREATMENTS = ("learned", "frozen", "decayed", "normalized")
-# What the cos rows see: the phase omega z (QK-MAP), or a learnable constant (the control that isolates magnitude).
-QKMAP_COS_BLOCKS = ("phase", "constant")
+# How training treats the QK-MAP gains (docs/stability.md) and what the cos rows see: registries of the feature map.
+QKMAP_GAIN_TREATMENTS = tuple(GAIN_TREATMENTS)
+QKMAP_COS_BLOCKS = tuple(COS_BLOCKS)
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it the weights underflow to 0 (or 1/x to inf)
 QK_POSITION_PRIORS = ("none", "constant")
@@ -215,10 +217,11 @@ class QKMapConfig(LlamaConfig):
         choice("qkmap_init", QKMAP_INITS)
         choice("qkmap_gain_treatment", QKMAP_GAIN_TREATMENTS)
         choice("qkmap_cos_block", QKMAP_COS_BLOCKS)
-        if self.qkmap_gain_treatment == "normalized" and self.qkmap_init == "exact":
+        if GAIN_TREATMENTS[self.qkmap_gain_treatment].native_init_only and self.qkmap_init == "exact":
             raise ValueError(
-                "QKMapConfig.qkmap_gain_treatment='normalized' needs qkmap_init='native': the exact init's zero and "
-                "1/omega gains are not RMS 1 per row, so normalizing them would change the converted function."
+                f"QKMapConfig.qkmap_gain_treatment={self.qkmap_gain_treatment!r} needs qkmap_init='native': the exact "
+                "init's zero and 1/omega gains are not RMS 1 per row, so normalizing them would change the converted "
+                "function."
             )
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             positive(field, getattr(self, field))
@@ -299,16 +302,19 @@ class QKMapConfig(LlamaConfig):
 
     @property
     def query_key_dim(self) -> int:
-        """Width of the queries and keys that reach the attention kernel (and the key cache)."""
-        if self.qk_mode == "qk_map":
-            return 2 * self.qkmap_num_frequencies * self.resolved_qkmap_input_dim
-        return 2 * self.head_dim if self.qk_position_prior == "constant" else self.head_dim
+        """Width of the queries and keys that reach the attention kernel (and the key cache), as the query/key
+        constructions of this config build them (qk_registry.py)."""
+        from .qk_registry import query_key_width  # the registry imports the constructions, which use this config
+
+        return query_key_width(self)
 
     @property
     def projection_dim(self) -> int:
-        """Width per head of ``q_proj``/``k_proj`` outputs: ``m`` (``resolved_qkmap_input_dim``) in qk_map mode,
-        else ``head_dim``. A layer width, not another name of ``m``."""
-        return self.resolved_qkmap_input_dim if self.qk_mode == "qk_map" else self.head_dim
+        """Width per head of ``q_proj``/``k_proj`` outputs, set by the position construction: ``m``
+        (``resolved_qkmap_input_dim``) in qk_map mode, else ``head_dim``. A layer width, not another name of ``m``."""
+        from .qk_registry import position_construction
+
+        return position_construction(self).projection_dim(self)
 
 
 __all__ = ["QKMAP_GAIN_TREATMENTS", "QKMapConfig", "QK_MODES", "QK_POSITION_PRIORS"]

@@ -4,10 +4,10 @@
 This file is copied into every saved checkpoint and loaded with ``trust_remote_code=True``: it must
 import only torch and transformers (and sibling files, relatively).
 
-Everything that differs from Llama is in attention_qkmap.py (``QKMapAttention`` with its three modes and its
-kernels, the ``QKMapFeatureMap`` module that owns the frequencies and gains) and feature_map_qkmap.py (the
-feature map ``qkmap_features`` with its recomputing backward pass). This file is Llama's layout around them,
-parameter names included, so weights move between them by name.
+Everything that differs from Llama is in attention_qkmap.py (``QKMapAttention`` and its kernels) and the query/key
+constructions it runs (qk_registry.py: QK-Norm, the QK-MAP feature map of construction_qkmap.py with the math of
+feature_map_qkmap.py, the position prior). This file is Llama's layout around them, parameter names included, so
+weights move between them by name.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_qkmap import QKMapAttention, QKMapFeatureMap, QKMapInputRMSNorm, single_query_attention
+from .attention_qkmap import QKMapAttention, single_query_attention
 from .configuration_qkmap import QKMapConfig
+from .construction_qkmap import QKMapFeatureMap, QKMapInputRMSNorm
 from .feature_map_qkmap import qkmap_features
 from .position_prior import QKPositionPrior
+from .qk_registry import QK_CONSTRUCTIONS, position_construction
 
 # transformers 5.24 renamed the cache argument and output field from ``past_key_values`` to ``cache``.
 # One name per installed version keeps this file working across the supported 5.x range.
@@ -92,7 +94,7 @@ class QKMapPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["QKMapDecoderLayer"]
-    _keep_in_fp32_modules = ["qk_map"]
+    _keep_in_fp32_modules = sorted({name for c in QK_CONSTRUCTIONS for name in c.float32_modules})
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -110,21 +112,17 @@ class QKMapPreTrainedModel(PreTrainedModel):
         loaded = super().from_pretrained(*args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         for module in model.modules():
-            if isinstance(module, (QKMapFeatureMap, QKMapInputRMSNorm)):
+            if callable(getattr(module, "reset_trainability", None)):  # a query/key construction's module
                 module.reset_trainability()
         return loaded
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """Llama's init, then a query/key construction's modules at their ``initial_values``."""
         super()._init_weights(module)
-        if isinstance(module, QKMapFeatureMap):
+        if callable(getattr(module, "initial_values", None)):
             for name, value in module.initial_values().items():
                 init.copy_(getattr(module, name), value)
-        if isinstance(module, QKMapInputRMSNorm):
-            init.ones_(module.reference_scale)
-        elif isinstance(module, QKPositionPrior):
-            init.ones_(module.query_prior)
-            init.ones_(module.key_prior)
 
 
 def rope_config_for_width(config: QKMapConfig, width: int) -> QKMapConfig:
@@ -189,9 +187,8 @@ class QKMapModel(QKMapPreTrainedModel):
         )
         hidden_states = inputs_embeds
         # QK-MAP rotates its feature blocks in float32; the other modes keep Llama's exact numerics.
-        rope_reference = (
-            hidden_states.new_empty(0, dtype=torch.float32) if self.config.qk_mode == "qk_map" else hidden_states
-        )
+        float32 = position_construction(self.config).float32_positions
+        rope_reference = hidden_states.new_empty(0, dtype=torch.float32) if float32 else hidden_states
         position_embeddings = self.rotary_emb(rope_reference, position_ids=position_ids)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:

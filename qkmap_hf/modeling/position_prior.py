@@ -1,16 +1,19 @@
 # Copyright 2026 The qkmap-hf authors. Licensed under the Apache License, Version 2.0.
-"""The position-prior ablation (``qk_position_prior="constant"``), see docs/method.md, "Ablations and tuning knobs".
+"""The position-prior control (``qk_position_prior="constant"``) as a query/key construction, see docs/method.md,
+"Ablations and tuning knobs".
 
 Copied into checkpoints next to ``modeling_qkmap.py`` (a relative import): torch and transformers only.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .configuration_qkmap import QKMapConfig
+from .query_key import QueryKeyConstruction
 
 
 class QKPositionPrior(nn.Module):
@@ -21,11 +24,15 @@ class QKPositionPrior(nn.Module):
     position only. Initialised to ones like QK-MAP's unit gains (``cos(0) = 1``); zeros give back the base mode.
     """
 
-    def __init__(self, config: QKMapConfig):
+    def __init__(self, config: Any):
         super().__init__()
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.query_prior = nn.Parameter(torch.ones(config.num_attention_heads, config.head_dim))
         self.key_prior = nn.Parameter(torch.ones(config.num_key_value_heads, config.head_dim))
+
+    @torch.no_grad()
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        return {"query_prior": torch.ones_like(self.query_prior), "key_prior": torch.ones_like(self.key_prior)}
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -44,4 +51,35 @@ class QKPositionPrior(nn.Module):
         )
 
 
-__all__ = ["QKPositionPrior"]
+class PositionPrior(QueryKeyConstruction):
+    """Appends the rotated constant blocks after RoPE (``standard``/``qk_norm`` with ``qk_position_prior="constant"``):
+    keys ``head_dim`` wider."""
+
+    name = "position_prior"
+    stage = "output"
+    modules = ("position_prior",)
+
+    @classmethod
+    def applies_to(cls, config: Any) -> bool:
+        return getattr(config, "qk_position_prior", "none") == "constant"
+
+    @classmethod
+    def build(cls, config: Any) -> dict[str, nn.Module]:
+        return {"position_prior": QKPositionPrior(config)}
+
+    @classmethod
+    def apply(cls, attention, query, key, cos, sin):
+        return attention.position_prior(query, key, cos, sin)
+
+    @classmethod
+    def width(cls, config: Any, width: int) -> int:
+        return width + config.head_dim
+
+    @classmethod
+    def created_tensors(cls, config: Any) -> dict[str, torch.Tensor]:
+        with torch.device("meta"):
+            names = QKPositionPrior(config).initial_values()
+        return {f"position_prior.{name}": torch.ones(value.shape) for name, value in names.items()}
+
+
+__all__ = ["PositionPrior", "QKPositionPrior"]

@@ -12,6 +12,10 @@ Why a separate group (see docs/training.md for the measurements):
 
 The other groups follow transformers' Trainer: weight matrices and embeddings are decayed; biases and the
 weights of normalisation layers (RMSNorm, QK-Norm's ``q_norm``/``k_norm``) are not.
+
+Which parameter joins which group is each query/key construction's answer (``QueryKeyConstruction.parameter_group``,
+through ``qkmap_hf.modeling.qk_registry``), asked with the model's config: the same answer for this package's
+model, a trust_remote_code copy of it, and peft's ``modules_to_save`` wrappers around its modules.
 """
 
 from __future__ import annotations
@@ -22,29 +26,43 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from ..modeling.qk_registry import constructions_for
+from ..modeling.query_key import QUERY_KEY_GROUP
+
 # Default learning rate of the QK-MAP group as a multiple of the base learning rate, chosen with the comparison
 # harness (docs/compare.md, "Choosing the defaults").
 QKMAP_LR_MULTIPLIER = 10.0
-QKMAP_MODULE_CLASS = "QKMapFeatureMap"
-# Query/key-side parameters that share the QK-MAP group: the position-prior ablation's constant blocks always,
-# QK-Norm's q_norm/k_norm weights only when asked (``qk_norm_in_qk_group``: equal tuning in ``qkmap compare``).
-QK_GROUP_MODULE_CLASSES = (QKMAP_MODULE_CLASS, "QKPositionPrior")
-QK_NORM_MODULE_NAMES = ("q_norm", "k_norm")
 GROUP_NAMES = ("decay", "no_decay", "qkmap")
+# A construction's group names (``qkmap_hf.modeling.query_key``) as this module's: the query/key group is "qkmap".
+CONSTRUCTION_GROUPS = {QUERY_KEY_GROUP: "qkmap", "decay": "decay"}
 
 
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("Norm", "RMSNorm"))
 
 
-def _is_decayed_gain(module: nn.Module, param_name: str) -> bool:
-    """A QK-MAP gain under ``qkmap_gain_treatment="decayed"``: trained like a weight matrix (base rate, decay)."""
-    config = getattr(module, "config", None)
-    return (
-        type(module).__name__ == QKMAP_MODULE_CLASS
-        and param_name.endswith("_gain")
-        and getattr(config, "qkmap_gain_treatment", "learned") == "decayed"
-    )
+def query_key_groups(model: nn.Module, *, qk_norm_in_qk_group: bool = False) -> dict[int, str]:
+    """``id(parameter) -> group`` for every parameter a query/key construction owns, as its construction says.
+
+    A parameter its construction leaves to transformers' rule (a norm weight) joins the query/key group only with
+    ``qk_norm_in_qk_group``. Attention layers are the modules with a ``config`` and ``q_proj``/``k_proj``.
+    """
+    groups: dict[int, str] = {}
+    for attention in model.modules():
+        config = getattr(attention, "config", None)
+        if config is None or not all(hasattr(attention, n) for n in ("q_proj", "k_proj")):
+            continue
+        for construction in constructions_for(config):
+            for module_name in construction.modules:
+                module = getattr(attention, module_name, None)
+                for full_name, param in module.named_parameters() if module is not None else ():
+                    parameter_name = full_name.rsplit(".", 1)[-1]  # under peft: modules_to_save.default.<name>
+                    group = construction.parameter_group(config, module_name, parameter_name)
+                    if group is None and qk_norm_in_qk_group:
+                        group = QUERY_KEY_GROUP
+                    if group is not None:
+                        groups[id(param)] = CONSTRUCTION_GROUPS[group]
+    return groups
 
 
 def classify_parameters(
@@ -52,11 +70,11 @@ def classify_parameters(
 ) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Trainable parameters by group name (``decay``, ``no_decay``, ``qkmap``), each tied tensor once.
 
-    Ownership decides, not shape: the owning module's class name finds QK-MAP parameters in this package's
-    model, in a trust_remote_code copy of it and inside peft's ``modules_to_save`` wrappers alike, and it still
-    works under FSDP, where flattened shards no longer show a parameter's dimensions.
+    Ownership decides, not shape: the query/key constructions name their parameters (``query_key_groups``) in this
+    package's model, in a trust_remote_code copy of it and inside peft's ``modules_to_save`` wrappers alike.
     """
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name in GROUP_NAMES}
+    owned = query_key_groups(model, qk_norm_in_qk_group=qk_norm_in_qk_group)
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -64,11 +82,8 @@ def classify_parameters(
                 continue
             seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
-            is_qk_norm = qk_norm_in_qk_group and module_name.rsplit(".", 1)[-1] in QK_NORM_MODULE_NAMES
-            if _is_decayed_gain(module, param_name):
-                group = "decay"
-            elif type(module).__name__ in QK_GROUP_MODULE_CLASSES or is_qk_norm:
-                group = "qkmap"
+            if id(param) in owned:
+                group = owned[id(param)]
             elif param_name.endswith("bias") or _is_norm(module):
                 group = "no_decay"
             else:
@@ -176,4 +191,4 @@ class QKMapTrainer(Trainer):
         super().log(logs, start_time)
 
 
-__all__ = ["QKMAP_LR_MULTIPLIER", "QKMapTrainer", "classify_parameters", "parameter_groups"]
+__all__ = ["QKMAP_LR_MULTIPLIER", "QKMapTrainer", "classify_parameters", "parameter_groups", "query_key_groups"]

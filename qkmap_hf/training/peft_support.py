@@ -7,7 +7,8 @@ Importing this module registers the defaults (idempotent), so ``LoraConfig(task_
 model type up there; the dicts are shared objects, so adding a key is all a registration needs. QK-MAP models
 have Llama's module names (``q_proj``... ``down_proj``), so every method gets Llama's entry.
 
-The frequencies and gains live in one small module per layer (``self_attn.qk_map``). Listing it in
+The frequencies and gains live in one small module per layer (``self_attn.qk_map``); every query/key construction
+names the modules it owns (``qkmap_hf.modeling.qk_registry.owned_modules``). Listing them in
 ``modules_to_save`` makes peft train a copy next to the adapter, save it in ``adapter_model.safetensors``, load
 it with the adapter and swap it in on ``merge_and_unload``: the adapter alone carries the up-trained QK-MAP state.
 """
@@ -18,17 +19,10 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from ..modeling.qk_registry import owned_modules
+
 MODEL_TYPE = "qkmap"
 SOURCE_MODEL_TYPE = "llama"
-# Modules that hold each mode's query/key-specific parameters (QK-Norm's weights, QK-MAP's frequencies and gains).
-# Per mode, the attention submodules that hold query/key parameters; ``position_prior`` (the constant cos-block
-# control of docs/paper-claims.md) and a converted QK-Norm model's input norms (``q_norm``/``k_norm`` under qk_map)
-# exist only in some configurations and are listed where present.
-QK_MODULES = {
-    "qk_map": ("qk_map", "q_norm", "k_norm"),
-    "qk_norm": ("q_norm", "k_norm", "position_prior"),
-    "standard": ("position_prior",),
-}
 
 
 def register_peft_defaults() -> list[str]:
@@ -47,9 +41,10 @@ def register_peft_defaults() -> list[str]:
 
 
 def qk_modules_to_save(model: nn.Module) -> list[str]:
-    """Names for ``modules_to_save`` that train the model's query/key parameters (empty for standard attention)."""
+    """Names for ``modules_to_save`` that train the model's query/key parameters: the modules its query/key
+    constructions own (none for standard attention)."""
     config = getattr(model, "config", None)
-    names = QK_MODULES.get(getattr(config, "qk_mode", "standard"), ())
+    names = owned_modules(config) if config is not None else ()
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     return [name for name in names if name in present]
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..phases import feature_map_layers, input_dim_of
+from ..phases import feature_map_layers, hook_feature_map_inputs, input_dim_of
 
 
 class Schedule(Protocol):
@@ -108,16 +107,12 @@ def channel_magnitudes(model: nn.Module, blocks: torch.Tensor, batch_size: int =
     for index, attention in enumerate(layers):
         kv_heads, m = attention.qk_map.log_frequency.shape[0], input_dim_of(attention)
 
-        def grab(_module, _inputs, output, index=index, side="query", kv_heads=kv_heads, m=m):
-            output = output.flatten(-2) if output.dim() == 4 else output  # norm output: (batch, seq, heads, m)
-            z = output.detach().float().reshape(-1, output.shape[-1] // m, m)  # (tokens, heads, m)
+        def grab(side: str, z: torch.Tensor, index=index, kv_heads=kv_heads, m=m) -> None:
+            z = z.detach().float().reshape(-1, z.shape[-2], m)  # (tokens, heads, m)
             z = z.view(z.shape[0], kv_heads, -1, m).transpose(1, 2).reshape(-1, kv_heads, m)
             values[index][side].append(z.abs())
 
-        # The feature map sees the input norm's output where there is one (converted QK-Norm models).
-        sources = ("q_norm", "k_norm") if hasattr(attention, "q_norm") else ("q_proj", "k_proj")
-        for side, name in zip(("query", "key"), sources, strict=True):
-            handles.append(getattr(attention, name).register_forward_hook(partial(grab, side=side)))
+        handles.append(hook_feature_map_inputs(attention, grab))
     was_training = model.training
     model.eval()
     try:
