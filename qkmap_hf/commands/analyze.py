@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..flags import comma_floats, parsed_by
-from ..task_probes import DEFAULT_KEY_SCALES
+from ..flags import comma_floats, default_of, parsed_by
+from ..task_probes import DEFAULT_KEY_SCALES, mqar_probes
 
 HELP = "Attention diagnostics (input-scale sensitivity, first-token mass, evidence contrast) as JSON and PNG plots."
 
@@ -38,7 +38,9 @@ class AnalyzeArguments:
         metadata={"help": "run the claims' probes on synthetic task sequences instead of text, e.g. mqar:num_pairs=4"},
     )
     task_length: int = field(default=128, metadata={"help": "task sequence length"})
-    task_examples: int = field(default=32, metadata={"help": "task sequences from the report split"})
+    task_examples: int = field(
+        default=default_of(mqar_probes, "examples"), metadata={"help": "task sequences from the report split"}
+    )
     key_scales: tuple[float, ...] = field(
         default=DEFAULT_KEY_SCALES,
         metadata={"help": "factors for the evidence key's k_proj, comma-separated", "action": parsed_by(comma_floats)},
@@ -88,7 +90,6 @@ def run_task(args: argparse.Namespace) -> int:
 
     from ..analysis import load_for_analysis
     from ..fileio import atomic_write_json
-    from ..task_probes import mqar_probes
     from ..training.synthetic import MQARTask, parse_task, task_spec
 
     task = parse_task(args.task)
