@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from .attention_probes import (
     use_eager_attention,
 )
 from .fileio import atomic_write_json
+from .flags import comma_floats, comma_ints, parsed_by
 from .phases import describe, input_dim_of, phase_magnitudes, quantiles, regime_from_roles
 
 FORMAT = "qkmap-analysis/1"
@@ -50,15 +51,31 @@ FORMAT = "qkmap-analysis/1"
 
 @dataclass
 class AnalysisSettings:
-    """What to measure; defaults take seconds for tiny models and minutes for SmolLM2-135M on a CPU."""
+    """What to measure; defaults take seconds for tiny models and minutes for SmolLM2-135M on a CPU.
 
-    scales: tuple[float, ...] = (0.5, 2.0, 4.0)
-    max_tokens: int = 256
-    num_windows: int = 4
-    context_lengths: tuple[int, ...] = (256, 512, 1024)
-    needle_examples: int = 4
-    seed: int = 0
-    text_file: str | None = None
+    The analysis group: ``qkmap analyze``'s flags are these fields (``qkmap_hf.flags``), so the defaults live here
+    only. ``text_file`` is ``--text`` and, once ``analyze`` ran, the record of the text it read."""
+
+    scales: tuple[float, ...] = field(
+        default=(0.5, 2.0, 4.0),
+        metadata={"help": "input-scale factors, comma-separated", "action": parsed_by(comma_floats)},
+    )
+    max_tokens: int = field(default=256, metadata={"help": "tokens per text window"})
+    num_windows: int = field(default=4, metadata={"help": "text windows, one batch"})
+    context_lengths: tuple[int, ...] = field(
+        default=(256, 512, 1024),
+        metadata={
+            "help": "long-context lengths in tokens, comma-separated",
+            "aliases": ["--lengths"],
+            "action": parsed_by(comma_ints),
+        },
+    )
+    needle_examples: int = field(default=4, metadata={"help": "examples per length"})
+    seed: int = field(default=0, metadata={"help": "seed of the synthetic examples"})
+    text_file: str | None = field(
+        default=None,
+        metadata={"help": "UTF-8 text for analyses 1-2 (default: the bundled Tempest passages)", "aliases": ["--text"]},
+    )
 
     def __post_init__(self) -> None:
         if not self.scales or any(not math.isfinite(s) or s <= 0 or s == 1.0 for s in self.scales):

@@ -1,9 +1,11 @@
 """The ``qkmap`` command: a thin layer of argument parsing over the library API.
 
 Each subcommand lives in ``qkmap_hf/commands/<name>.py`` and defines ``HELP`` (one line),
-``add_arguments(parser)`` and ``run(args) -> int``. A command whose options are dataclasses (``train``, ``heal``,
-``compare``) defines ``option_classes()`` instead of most of ``add_arguments``: its parser is transformers'
-``HfArgumentParser`` over those classes, one flag per field (``qkmap_hf.flags``). A module that forwards its arguments untouched to
+``option_classes()`` and ``run(args) -> int``. Its parser is transformers' ``HfArgumentParser`` over those option
+dataclasses, one flag (or positional) per field (``qkmap_hf.flags.OptionsParser``); the shared groups (data,
+optimization, tuning, conversion, analysis) are composed into them, so no command writes a flag by hand
+(docs/architecture.md, "Options"). ``option_overrides()``, where a command has it, changes a flag's argparse settings
+for that command only (``qkmap heal`` hides ``--model``). A module that forwards its arguments untouched to
 another program (``qkmap eval`` hands over to lm-eval's CLI) defines ``run_raw(argv) -> int`` instead.
 Modules load only when their command runs, so ``qkmap --help`` stays fast.
 
@@ -75,25 +77,26 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_command_parser)
     for name in COMMANDS:
         module = _command_module(name)
-        sub = subparsers.add_parser(
+        subparsers.add_parser(
             name,
             help=module.HELP,
             description=module.HELP,
             add_help=not hasattr(module, "run_raw"),
             option_classes=module.option_classes() if hasattr(module, "option_classes") else (),
+            overrides=module.option_overrides() if hasattr(module, "option_overrides") else None,
             **({"prog": progs[name]} if progs and name in progs else {}),
         )
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(sub)
     return parser
 
 
-def _command_parser(option_classes: tuple[type, ...] = (), **kwargs) -> argparse.ArgumentParser:
-    """A subcommand's parser: ``HfArgumentParser`` over its option dataclasses, or a plain one."""
+def _command_parser(
+    option_classes: tuple[type, ...] = (), overrides: dict | None = None, **kwargs
+) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``HfArgumentParser`` over its option dataclasses, or a plain one (``qkmap eval``)."""
     if option_classes:
         from .flags import make_parser
 
-        return make_parser(option_classes, **kwargs)
+        return make_parser(option_classes, overrides, **kwargs)
     return argparse.ArgumentParser(**kwargs)
 
 

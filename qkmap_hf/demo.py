@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import textwrap
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import assets
 from .cleanroom import run_without_qkmap_hf
 from .fileio import atomic_write_json, atomic_write_text
+from .verify import DEFAULT_VERIFY_TOKENS
 
 DEFAULT_TASKS = ("qkmap_shakespeare_ppl", "qkmap_next_line")
 VERIFICATION_PLAY = "tempest_gut"  # The Tempest, the play of the bundled perplexity task
@@ -89,12 +91,19 @@ def generate_without_package(folder: Path, prompt: str) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@dataclass
+class DemoOptions:
+    """What ``qkmap demo`` takes (its flags are these fields) and ``run_demo`` reads."""
+
+    output_dir: str = field(default="runs/demo", metadata={"help": "where the converted model and reports go"})
+    eval_limit: int | None = field(default=16, metadata={"help": "documents per lm-eval task"})
+    verify_tokens: int = field(default=DEFAULT_VERIFY_TOKENS, metadata={"help": "tokens of held-out text to verify on"})
+
+
 def run_demo(
-    output_dir: str | Path = "runs/demo",
+    options: DemoOptions | None = None,
     *,
     tasks: tuple[str, ...] = DEFAULT_TASKS,
-    eval_limit: int | None = 16,
-    verify_tokens: int = 512,
     overwrite: bool = True,
 ) -> dict[str, Any]:
     """Run the five steps; return (and write to ``demo_summary.json``) what each measured."""
@@ -102,7 +111,9 @@ def run_demo(
     from .conversion import convert_checkpoint
     from .hub import validate_for_push
 
-    output_dir = Path(output_dir).absolute()
+    options = options or DemoOptions()
+    eval_limit, verify_tokens = options.eval_limit, options.verify_tokens
+    output_dir = Path(options.output_dir).absolute()
     output_dir.mkdir(parents=True, exist_ok=True)
     converted = output_dir / "SmolLM2-135M-Instruct-qkmap"
     summary: dict[str, Any] = {"source": f"{assets.SMOLLM2_PACKAGE} / {assets.SMOLLM2_GGUF_NAME}"}

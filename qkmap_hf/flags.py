@@ -15,17 +15,31 @@ parser derives from the annotation:
 
 and ``metadata={"nargs": "?", "const": ...}`` gives a flag an optional value (``--resume [CHECKPOINT]``).
 A value that does not parse raises ``ValueError`` naming the flag, which ``qkmap_hf.cli.main`` reports (exit 2).
+
+``HfArgumentParser`` makes every field a ``--flag``; ``OptionsParser`` adds the two things a command line also
+needs and it lacks: ``metadata={"positional": True}`` makes a field a positional argument (``qkmap convert SRC
+DST``), ``metadata={"switch": True}`` makes a boolean field a flag that takes no value (``--dry-run``, or
+``--no-progress`` for a field that defaults to True, whose help then describes that flag), as the commands that
+wrote their flags by hand had them, and ``metadata={"negated_by": {"--old-spelling": help}}`` adds an old spelling
+of a boolean field's ``--no-...`` flag. ``overridden`` lets a composed options class change one inherited field's default or help in
+one place, so the shared declaration stays the only one.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import inspect
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any, TypeVar
+
+from transformers import HfArgumentParser
 
 T = TypeVar("T")
 
@@ -115,6 +129,31 @@ def fraction_window(text: str) -> tuple[float, float]:
     return float(start), float(end)
 
 
+def comma_floats(text: str) -> tuple[float, ...]:
+    """``"0.5,2,4"`` -> ``(0.5, 2.0, 4.0)``."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def comma_ints(text: str) -> tuple[int, ...]:
+    """``"256,512"`` -> ``(256, 512)``."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def default_of(function: Callable[..., Any], name: str) -> Any:
+    """The default of ``function``'s parameter ``name``: a flag that forwards to a library function takes its
+    default from there instead of writing it a second time."""
+    default = inspect.signature(function).parameters[name].default
+    if default is inspect.Parameter.empty:
+        raise TypeError(f"{function.__qualname__}({name}) has no default")
+    return default
+
+
 class _ParsedAction(argparse.Action):
     """Stores ``parse(value)``; subclasses set ``parse`` and ``collect``."""
 
@@ -188,12 +227,67 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def make_parser(dataclass_types: tuple[type, ...], **kwargs) -> argparse.ArgumentParser:
-    """``HfArgumentParser`` over ``dataclass_types`` (flags with their defaults in ``--help``)."""
-    from transformers import HfArgumentParser
+def overridden(cls: type, name: str, **changes: Any) -> Any:
+    """Field ``name`` of ``cls`` for a subclass that changes only its ``default`` and/or ``help``.
 
+    A command whose effective default differs from the shared one (``qkmap compare``'s ``max_eval_blocks``) says
+    so in one line; the type, the help and the other metadata stay declared once, on ``cls``."""
+    base = next(option for option in fields(cls) if option.name == name)
+    metadata = dict(base.metadata)
+    if "help" in changes:
+        metadata["help"] = changes.pop("help")
+    if set(changes) - {"default"}:
+        raise TypeError(f"overridden({cls.__name__}, {name!r}): only default and help can change, not {changes}")
+    if "default" in changes:  # keyword-only, as the shared groups' fields are, so field order never matters
+        return field(default=changes["default"], metadata=metadata, kw_only=True)
+    if base.default_factory is not dataclasses.MISSING:
+        return field(default_factory=base.default_factory, metadata=metadata, kw_only=True)
+    if base.default is not dataclasses.MISSING:
+        return field(default=base.default, metadata=metadata, kw_only=True)
+    return field(metadata=metadata, kw_only=True)
+
+
+class OptionsParser(HfArgumentParser):
+    """``HfArgumentParser`` plus positional fields and old ``--no-...`` spellings (see the module docstring)."""
+
+    @staticmethod
+    def _parse_dataclass_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+        metadata = dict(field.metadata)
+        if metadata.pop("positional", False):  # HfArgumentParser only makes --flags
+            if field.default is not dataclasses.MISSING:
+                metadata.setdefault("nargs", "?")
+                metadata["default"] = field.default
+            parser.add_argument(field.name, **metadata)
+            return
+        if metadata.pop("switch", False):  # a flag that takes no value, so it never eats the positional after it
+            names = [field.name, field.name.replace("_", "-")] if field.default is False else []
+            names = names or [f"no_{field.name}", f"no-{field.name.replace('_', '-')}"]
+            action = "store_true" if field.default is False else "store_false"
+            options = ["--" + name for name in dict.fromkeys(names)]
+            parser.add_argument(*options, dest=field.name, action=action, default=field.default, **metadata)
+            return
+        negated_by: Mapping[str, str] = metadata.pop("negated_by", {})
+        if negated_by:
+            field = copy.copy(field)
+            field.metadata = MappingProxyType(metadata)
+        HfArgumentParser._parse_dataclass_field(parser, field)
+        for option, text in negated_by.items():  # after the field's own flags, so their default stands
+            parser.add_argument(option, dest=field.name, action="store_false", default=argparse.SUPPRESS, help=text)
+
+
+def make_parser(
+    dataclass_types: tuple[type, ...], overrides: Mapping[str, Mapping[str, Any]] | None = None, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """``OptionsParser`` over ``dataclass_types`` (flags with their defaults in ``--help``).
+
+    ``overrides`` maps a field to argparse settings of its flag that one command changes, e.g. ``qkmap heal``
+    hides ``--model`` (its positional CONVERTED stands for it): ``{"model": {"required": False, "help": SUPPRESS}}``.
+    """
     kwargs.setdefault("formatter_class", _DefaultsFormatter)
-    parser = HfArgumentParser(dataclass_types, **kwargs)
+    parser = OptionsParser(dataclass_types, **kwargs)
+    for action in parser._actions:
+        for name, value in (overrides or {}).get(action.dest, {}).items():
+            setattr(action, name, value)
     for action in parser._actions:  # usage and help show the dashed spelling first (--max-steps, not --max_steps)
         action.option_strings.sort(key=lambda option: "_" in option)
     switches = {o for a in parser._actions if a.nargs == "?" and a.const is True for o in a.option_strings}

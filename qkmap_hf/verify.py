@@ -23,6 +23,10 @@ from .filenames import VERIFICATION_NAME
 from .phases import PhaseRecorder
 from .safety import Vocabulary, check_same_vocabulary, load_checked_config, tokenizer_file
 
+# How much a verification reads and generates by default: ``qkmap verify``, ``qkmap convert --verify`` and the demo.
+DEFAULT_VERIFY_TOKENS = 512
+DEFAULT_GENERATE_TOKENS = 64
+
 
 @dataclasses.dataclass
 class VerificationReport:
@@ -150,8 +154,8 @@ def verify_conversion(
     source: Any,
     converted: Any,
     text: str | os.PathLike,
-    max_tokens: int = 512,
-    generate_tokens: int = 64,
+    max_tokens: int = DEFAULT_VERIFY_TOKENS,
+    generate_tokens: int = DEFAULT_GENERATE_TOKENS,
     *,
     tokenizer: Any = None,
     source_gguf_file: str | None = None,
@@ -259,4 +263,4 @@ def _label(obj: Any, ref: tuple[Path, str | None] | None) -> str:
     return getattr(getattr(obj, "config", None), "_name_or_path", None) or type(obj).__name__
 
 
-__all__ = ["VerificationReport", "verify_conversion"]
+__all__ = ["DEFAULT_GENERATE_TOKENS", "DEFAULT_VERIFY_TOKENS", "VerificationReport", "verify_conversion"]

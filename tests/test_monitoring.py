@@ -286,7 +286,7 @@ def test_a_diverging_run_is_recorded_with_l0_and_the_sweep_and_report_still_buil
     from qkmap_hf.assets import shakespeare_text
     from qkmap_hf.stability import build_report
     from qkmap_hf.training.compare import CompareOptions, parse_variant
-    from qkmap_hf.training.sweep import SweepOptions, run_sweep
+    from qkmap_hf.training.sweep import SweepOptions, TuningOptions, run_sweep
 
     corpus = tmp_path / "hamlet.txt"
     corpus.write_text(shakespeare_text(max_chars=30_000, plays=("hamlet_gut",)))
@@ -294,7 +294,7 @@ def test_a_diverging_run_is_recorded_with_l0_and_the_sweep_and_report_still_buil
         data=[str(corpus)], output_dir=str(tmp_path / "out"), preset="tiny", steps=12, seeds=1, max_eval_blocks=8,
         variants=[parse_variant("standard")], monitor_steps=6,
     )  # fmt: skip
-    summary = run_sweep(SweepOptions(options, {"learning_rate": [3e-3, 1e3]}, tuning_seeds=[7]))
+    summary = run_sweep(SweepOptions(options, TuningOptions(tune=["learning_rate=3e-3,1e3"], tuning_first_seed=7)))
     out = tmp_path / "out"
     diverged = json.loads((out / "diverged.json").read_text())
     assert list(diverged) == ["standard/tune/learning_rate=1000/7"]

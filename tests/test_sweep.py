@@ -14,6 +14,7 @@ from qkmap_hf.assets import shakespeare_text
 from qkmap_hf.training.compare import CompareOptions, parse_variant
 from qkmap_hf.training.sweep import (
     SweepOptions,
+    TuningOptions,
     arm_grid,
     block_fingerprints,
     paired_interval,
@@ -82,7 +83,9 @@ def test_sweep_chooses_on_tuning_split_and_reports_on_disjoint_split(tmp_path):
         variants=[parse_variant("standard"), parse_variant("qk_map_noprior")],
         qk_norm_in_qk_group=True,
     )
-    sweep = SweepOptions(options, {"logit_scale_multiplier": [1.0, 8.0]}, tuning_seeds=[7], save_models=True)
+    tuning = TuningOptions(tune=["logit_scale_multiplier=1.0,8.0"], tuning_first_seed=7, save_models=True)
+    sweep = SweepOptions(options, tuning)
+    assert sweep.tune == {"logit_scale_multiplier": [1.0, 8.0]} and sweep.tuning_seeds == [7]
     summary = run_sweep(sweep)
     out = tmp_path / "out"
     assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))

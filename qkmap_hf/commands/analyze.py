@@ -3,87 +3,78 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..flags import comma_floats, default_of, parsed_by
+from ..task_probes import DEFAULT_KEY_SCALES, mqar_probes
 
 HELP = "Attention diagnostics (input-scale sensitivity, first-token mass, evidence contrast) as JSON and PNG plots."
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from error
+@dataclass
+class AnalyzeArguments:
+    """What ``qkmap analyze`` adds to the analysis group (``AnalysisSettings``): the models, where the results go,
+    how the models load, and the synthetic-task probes (``--task``)."""
+
+    model: str = field(
+        metadata={
+            "positional": True,
+            "help": "checkpoint folder or Hub id (any causal LM with q_proj/k_proj: Llama, QK-MAP)",
+        }
+    )
+    output_dir: str = field(metadata={"help": "folder for analysis.json and the PNG plots"})
+    compare: list[str] = field(
+        default_factory=list, metadata={"help": "models to put beside it", "action": "extend", "metavar": "MODEL"}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "run modeling code shipped with a non-QK-MAP checkpoint", "switch": True}
+    )
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "weights dtype"})
+    progress: bool = field(default=True, metadata={"help": "no progress bars", "switch": True})
+    task: str | None = field(
+        default=None,
+        metadata={"help": "run the claims' probes on synthetic task sequences instead of text, e.g. mqar:num_pairs=4"},
+    )
+    task_length: int = field(default=128, metadata={"help": "task sequence length"})
+    task_examples: int = field(
+        default=default_of(mqar_probes, "examples"), metadata={"help": "task sequences from the report split"}
+    )
+    key_scales: tuple[float, ...] = field(
+        default=DEFAULT_KEY_SCALES,
+        metadata={"help": "factors for the evidence key's k_proj, comma-separated", "action": parsed_by(comma_floats)},
+    )
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from error
+def option_classes() -> tuple[type, ...]:
+    from ..analysis import AnalysisSettings
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="checkpoint folder or Hub id (any causal LM with q_proj/k_proj: Llama, QK-MAP)")
-    parser.add_argument(
-        "--compare", nargs="+", action="extend", default=[], metavar="MODEL", help="models to put beside it"
-    )
-    parser.add_argument("--text", help="UTF-8 text for analyses 1-2 (default: the bundled Tempest passages)")
-    parser.add_argument("--output-dir", required=True, help="folder for analysis.json and the PNG plots")
-    parser.add_argument("--scales", type=_floats, default=(0.5, 2.0, 4.0), help="input-scale factors (default 0.5,2,4)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per text window (default 256)")
-    parser.add_argument("--num-windows", type=int, default=4, help="text windows, one batch (default 4)")
-    parser.add_argument(
-        "--lengths", type=_ints, default=(256, 512, 1024), help="long-context lengths in tokens (default 256,512,1024)"
-    )
-    parser.add_argument("--needle-examples", type=int, default=4, help="examples per length (default 4)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic examples")
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="run modeling code shipped with a non-QK-MAP checkpoint"
-    )
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights dtype (default float32)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument(
-        "--task", help="run the claims' probes on synthetic task sequences instead of text, e.g. mqar:num_pairs=4"
-    )
-    parser.add_argument("--task-length", type=int, default=128, help="task sequence length (default 128)")
-    parser.add_argument(
-        "--task-examples", type=int, default=32, help="task sequences from the report split (default 32)"
-    )
-    parser.add_argument(
-        "--key-scales", type=_floats, default=(0.5, 2.0), help="factors for the evidence key's k_proj (default 0.5,2)"
-    )
+    return (AnalyzeArguments, AnalysisSettings)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..analysis import AnalysisSettings, analyze
+    from ..flags import options_from_namespace
     from .paths import require_path
 
     for model in (args.model, *args.compare):
         require_path("MODEL", model, "checkpoint folder", hub_id_ok=True)
     if args.task:
         return run_task(args)
-    require_path("--text", args.text, "text file")
-    settings = AnalysisSettings(
-        scales=args.scales,
-        max_tokens=args.max_tokens,
-        num_windows=args.num_windows,
-        context_lengths=args.lengths,
-        needle_examples=args.needle_examples,
-        seed=args.seed,
-    )
+    require_path("--text", args.text_file, "text file")
+    settings = options_from_namespace(AnalysisSettings, args)
     data = analyze(
         [args.model, *args.compare],
         args.output_dir,
-        text_file=args.text,
+        text_file=settings.text_file,
         settings=settings,
         trust_remote_code=args.trust_remote_code,
         dtype=getattr(torch, args.dtype),
         device=args.device,
-        progress=not args.no_progress,
+        progress=args.progress,
     )
     for entry in data["models"]:
         print(summary_line(entry))
@@ -99,7 +90,6 @@ def run_task(args: argparse.Namespace) -> int:
 
     from ..analysis import load_for_analysis
     from ..fileio import atomic_write_json
-    from ..task_probes import mqar_probes
     from ..training.synthetic import MQARTask, parse_task, task_spec
 
     task = parse_task(args.task)

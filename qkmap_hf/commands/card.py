@@ -4,18 +4,40 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 
 HELP = "Write the model card (README.md) of a checkpoint: QK-MAP settings, provenance, lm-eval scores, analysis plots."
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="checkpoint folder (config.json); README.md is written there")
-    parser.add_argument("--eval-results", help="lm-eval results_*.json, or the --output-path folder of `qkmap eval`")
-    parser.add_argument("--analysis", help="--output-dir of `qkmap analyze` (its plots are copied into MODEL/analysis)")
-    parser.add_argument("--provenance", help="extra provenance record (JSON file; its 'kind' names the section)")
-    parser.add_argument("--license", help="license id for the card (default: from provenance records, else apache-2.0)")
-    parser.add_argument("--name", help="model name / Hub repo id shown in the card and model-index")
-    parser.add_argument("--overwrite", action="store_true", help="replace a README.md not written by qkmap card")
+@dataclass
+class CardArguments:
+    """What ``qkmap card`` takes: ``write_model_card``'s inputs, one flag each."""
+
+    model: str = field(
+        metadata={"positional": True, "help": "checkpoint folder (config.json); README.md is written there"}
+    )
+    eval_results: str | None = field(
+        default=None, metadata={"help": "lm-eval results_*.json, or the --output-path folder of `qkmap eval`"}
+    )
+    analysis: str | None = field(
+        default=None, metadata={"help": "--output-dir of `qkmap analyze` (its plots are copied into MODEL/analysis)"}
+    )
+    provenance: str | None = field(
+        default=None, metadata={"help": "extra provenance record (JSON file; its 'kind' names the section)"}
+    )
+    license: str | None = field(
+        default=None, metadata={"help": "license id for the card (default: from provenance records, else apache-2.0)"}
+    )
+    name: str | None = field(
+        default=None, metadata={"help": "model name / Hub repo id shown in the card and model-index"}
+    )
+    overwrite: bool = field(
+        default=False, metadata={"help": "replace a README.md not written by qkmap card", "switch": True}
+    )
+
+
+def option_classes() -> tuple[type, ...]:
+    return (CardArguments,)
 
 
 def output_folder(args: argparse.Namespace) -> str:

@@ -7,39 +7,46 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..verify import DEFAULT_VERIFY_TOKENS
 
 HELP = "Convert a Llama/Mistral/Qwen2/Qwen3-style checkpoint (safetensors or GGUF) to QK-MAP attention."
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", help="checkpoint folder, repo id in the local HF cache, or .gguf file")
-    parser.add_argument("dst", metavar="DST", help="output folder (written atomically)")
-    parser.add_argument(
-        "--init",
-        choices=("exact", "native", "canonical"),
-        default="exact",
-        help="exact: function-preserving (omega_0, gains 1/omega_0); native: QKMapConfig's own init (geometric "
-        "frequencies, unit gains), drifts; canonical: deprecated name of native",
+@dataclass
+class ConvertArguments:
+    """What ``qkmap convert`` adds to the conversion group (``ConversionOptions``: --init, --num-frequencies,
+    --omega0, --dtype): the source and destination, verification, the card's base model."""
+
+    src: str = field(
+        metadata={
+            "positional": True,
+            "metavar": "SRC",
+            "help": "checkpoint folder, repo id in the local HF cache, or .gguf file",
+        }
     )
-    parser.add_argument("--num-frequencies", type=int, default=1, metavar="F", help="frequency blocks F (default 1)")
-    parser.add_argument("--omega0", type=float, default=1e-3, help="omega_0 of the exact init (default 1e-3)")
-    parser.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
+    dst: str = field(metadata={"positional": True, "metavar": "DST", "help": "output folder (written atomically)"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC to convert", "metavar": "NAME"})
+    verify: str | None = field(
         default=None,
-        help="output weight dtype (default: source's)",
+        metadata={"help": "compare with SRC on this text; writes verification.json", "metavar": "TEXTFILE"},
     )
-    parser.add_argument("--gguf-file", default=None, metavar="NAME", help="GGUF file inside SRC to convert")
-    parser.add_argument(
-        "--verify", default=None, metavar="TEXTFILE", help="compare with SRC on this text; writes verification.json"
+    max_tokens: int = field(default=DEFAULT_VERIFY_TOKENS, metadata={"help": "tokens of TEXTFILE to evaluate"})
+    base_model: str | None = field(
+        default=None, metadata={"help": "Hub id of the source for the model card", "metavar": "REPO_ID"}
     )
-    parser.add_argument("--max-tokens", type=int, default=512, help="tokens of TEXTFILE to evaluate (default 512)")
-    parser.add_argument("--base-model", default=None, metavar="REPO_ID", help="Hub id of the source for the model card")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty DST (only once the new one is complete)"
+    overwrite: bool = field(
+        default=False, metadata={"help": "replace a non-empty DST (only once the new one is complete)", "switch": True}
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    progress: bool = field(default=True, metadata={"help": "no progress bar", "switch": True})
+
+
+def option_classes() -> tuple[type, ...]:
+    from ..conversion.options import ConversionOptions
+
+    return (ConvertArguments, ConversionOptions)
 
 
 def output_folder(args: argparse.Namespace) -> str:
@@ -49,22 +56,22 @@ def output_folder(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..conversion import convert_checkpoint
+    from ..conversion.options import ConversionOptions
+    from ..flags import options_from_namespace
 
     if args.verify is not None and not Path(args.verify).is_file():
         raise FileNotFoundError(f"--verify {args.verify}: no such text file.")
+    options = options_from_namespace(ConversionOptions, args)  # refuses bad values before anything is read
     dst = convert_checkpoint(
         args.src,
         args.dst,
-        init=args.init,
-        num_frequencies=args.num_frequencies,
-        omega0=args.omega0,
-        dtype=args.dtype,
+        options,
         gguf_file=args.gguf_file,
         verify_text=Path(args.verify) if args.verify else None,
         max_tokens=args.max_tokens,
         overwrite=args.overwrite,
         base_model=args.base_model,
-        progress=not args.no_progress,
+        progress=args.progress,
     )  # a refusal or Ctrl-C leaves DST untouched (written atomically); qkmap_hf.cli reports it
     print(f"Converted {args.src} -> {dst} (init={args.init})")
     return 0

@@ -7,14 +7,15 @@ import argparse
 HELP = "convert, verify, evaluate, stage and reload the real SmolLM2-135M checkpoint, end to end"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-dir", default="runs/demo", help="where the converted model and reports go")
-    parser.add_argument("--eval-limit", type=int, default=16, help="documents per lm-eval task (default: 16)")
-    parser.add_argument("--verify-tokens", type=int, default=512, help="tokens of held-out text to verify on")
+def option_classes() -> tuple[type, ...]:
+    from ..demo import DemoOptions
+
+    return (DemoOptions,)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import run_demo
+    from ..demo import DemoOptions, run_demo
+    from ..flags import options_from_namespace
 
-    run_demo(args.output_dir, eval_limit=args.eval_limit, verify_tokens=args.verify_tokens)
+    run_demo(options_from_namespace(DemoOptions, args))
     return 0

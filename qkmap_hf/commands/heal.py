@@ -7,8 +7,18 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass, field
 
 HELP = "Heal a converted QK-MAP checkpoint into the periodic regime (phase schedule + distillation from the source)."
+
+
+@dataclass
+class Converted:
+    """The model to heal, given by position; it takes ``--model``'s place (hidden by ``option_overrides``)."""
+
+    converted: str = field(
+        metadata={"positional": True, "help": "the converted QK-MAP folder (qkmap convert --init exact)"}
+    )
 
 
 def option_classes() -> tuple[type, ...]:
@@ -16,25 +26,17 @@ def option_classes() -> tuple[type, ...]:
     from ..training.heal import HealOptions
     from ..training.options import TrainOptions
 
-    return (TrainOptions, HealOptions, OverwriteFlag)
+    return (Converted, TrainOptions, HealOptions, OverwriteFlag)
+
+
+def option_overrides() -> dict[str, dict]:
+    """``--model`` is CONVERTED here: not required and not shown."""
+    return {"model": {"required": False, "help": argparse.SUPPRESS}}
 
 
 def output_folder(args: argparse.Namespace) -> str:
     """The folder whose writer lock the run holds (``qkmap_hf.cli``)."""
     return args.output_dir
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("converted", help="the converted QK-MAP folder (qkmap convert --init exact)")
-    for action in parser._actions:  # the positional CONVERTED takes --model's place
-        if action.dest == "model":
-            action.required, action.help = False, argparse.SUPPRESS
-    parser.add_argument(  # the old spelling of --no-native-gains
-        "--keep-inverse-frequency-gains",
-        dest="native_gains",
-        action="store_false",
-        help="save with inverse-frequency gains instead of the native absolute ones",
-    )
 
 
 def run(args: argparse.Namespace) -> int:

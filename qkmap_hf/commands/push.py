@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
 HELP = "Validate a checkpoint folder (clean load without qkmap_hf, no pickles, card) and upload it to the Hub."
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="checkpoint folder (config.json, safetensors, remote-code files, README.md)")
-    parser.add_argument("repo_id", help="Hub repository, ORG/NAME")
-    parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--revision", help="branch to push to (created if missing; default main)")
-    parser.add_argument("--commit-message", help="commit title")
-    parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
-    parser.add_argument("--dry-run", action="store_true", help="validate only; upload nothing")
-    parser.add_argument(
-        "--timeout",
-        metavar="[CONNECT,]READ",
-        help="seconds to wait for the Hub to connect and to answer each request (default: QKMAP_HUB_TIMEOUT, "
-        "else 10,60)",
+@dataclass
+class PushArguments:
+    """What ``qkmap push`` takes: ``push_to_hub``'s inputs, one flag each (their defaults are the Hub's)."""
+
+    model: str = field(
+        metadata={
+            "positional": True,
+            "help": "checkpoint folder (config.json, safetensors, remote-code files, README.md)",
+        }
     )
+    repo_id: str = field(metadata={"positional": True, "help": "Hub repository, ORG/NAME"})
+    private: bool = field(default=False, metadata={"help": "create the repository as private", "switch": True})
+    revision: str | None = field(
+        default=None, metadata={"help": "branch to push to (created if missing; default main)"}
+    )
+    commit_message: str | None = field(default=None, metadata={"help": "commit title"})
+    token: str | None = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the saved login)"})
+    dry_run: bool = field(default=False, metadata={"help": "validate only; upload nothing", "switch": True})
+    timeout: str | None = field(
+        default=None,
+        metadata={
+            "help": "seconds to wait for the Hub to connect and to answer each request (default: QKMAP_HUB_TIMEOUT, "
+            "else 10,60)",
+            "metavar": "[CONNECT,]READ",
+        },
+    )
+
+
+def option_classes() -> tuple[type, ...]:
+    return (PushArguments,)
 
 
 def output_folder(args: argparse.Namespace) -> str:

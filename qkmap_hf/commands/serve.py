@@ -7,27 +7,57 @@ import shlex
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..flags import default_of
+from ..serving import serve_command
 
 HELP = "Serve a model folder over an OpenAI-compatible API: vLLM if installed (or its venv built), else transformers serve."
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "folder", help="model folder (config.json, weights, tokenizer), e.g. the output of qkmap convert"
+@dataclass
+class ServeArguments:
+    """What ``qkmap serve`` takes; the server settings' defaults are ``serve_command``'s, read from there."""
+
+    folder: str = field(
+        metadata={
+            "positional": True,
+            "help": "model folder (config.json, weights, tokenizer), e.g. the output of qkmap convert",
+        }
     )
-    parser.add_argument("--engine", choices=("auto", "vllm", "transformers"), default="auto",
-                        help="auto: vLLM when importable here or built by scripts/setup_vllm.sh, else transformers")  # fmt: skip
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    parser.add_argument("--dtype", default="auto", help="weights dtype for the engine (default: the folder's)")
-    parser.add_argument("--max-model-len", type=int, help="vLLM: longest sequence to plan the KV cache for")
-    parser.add_argument("--enforce-eager", action="store_true", help="vLLM: no torch.compile (starts sooner, slower)")
-    parser.add_argument("--engine-args", default="",
-                        help="options for the engine's own server, as one string: --engine-args='--cb-num-blocks 64'")  # fmt: skip
+    engine: Literal["auto", "vllm", "transformers"] = field(
+        default="auto",
+        metadata={"help": "auto: vLLM when importable here or built by scripts/setup_vllm.sh, else transformers"},
+    )
+    host: str = field(
+        default=default_of(serve_command, "host"), metadata={"help": "listen address (127.0.0.1: this machine only)"}
+    )
+    port: int = field(default=default_of(serve_command, "port"), metadata={"help": "listen port"})
+    dtype: str = field(
+        default=default_of(serve_command, "dtype"),
+        metadata={"help": "weights dtype for the engine (auto: the folder's)"},
+    )
+    max_model_len: int | None = field(
+        default=default_of(serve_command, "max_model_len"),
+        metadata={"help": "vLLM: longest sequence to plan the KV cache for"},
+    )
+    enforce_eager: bool = field(
+        default=default_of(serve_command, "enforce_eager"),
+        metadata={"help": "vLLM: no torch.compile (starts sooner, slower)", "switch": True},
+    )
+    engine_args: str = field(
+        default="",
+        metadata={"help": "options for the engine's own server, as one string: --engine-args='--cb-num-blocks 64'"},
+    )
+
+
+def option_classes() -> tuple[type, ...]:
+    return (ServeArguments,)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serving import serve_command, start_server
+    from ..serving import start_server
 
     command = serve_command(
         args.folder,

@@ -4,24 +4,38 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..verify import DEFAULT_GENERATE_TOKENS, DEFAULT_VERIFY_TOKENS
 
 HELP = "Compare a converted QK-MAP checkpoint with its source: perplexity, KL, logits, greedy generation, phases."
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "src", metavar="SRC", help="source checkpoint folder (or a folder with a GGUF, see --gguf-file)"
+@dataclass
+class VerifyArguments:
+    """What ``qkmap verify`` takes: ``verify_conversion``'s inputs (its defaults) and where the report goes."""
+
+    src: str = field(
+        metadata={
+            "positional": True,
+            "metavar": "SRC",
+            "help": "source checkpoint folder (or a folder with a GGUF, see --gguf-file)",
+        }
     )
-    parser.add_argument("dst", metavar="DST", help="converted checkpoint folder")
-    parser.add_argument("--text", required=True, metavar="FILE", help="plain-text file to evaluate on")
-    parser.add_argument("--max-tokens", type=int, default=512, help="tokens of FILE to evaluate (default 512)")
-    parser.add_argument("--generate-tokens", type=int, default=64, help="greedy tokens to compare (default 64)")
-    parser.add_argument("--gguf-file", default=None, metavar="NAME", help="GGUF file inside SRC")
-    parser.add_argument(
-        "--json", default=None, metavar="PATH", help="write the report here (default DST/verification.json)"
+    dst: str = field(metadata={"positional": True, "metavar": "DST", "help": "converted checkpoint folder"})
+    text: str = field(metadata={"help": "plain-text file to evaluate on", "metavar": "FILE"})
+    max_tokens: int = field(default=DEFAULT_VERIFY_TOKENS, metadata={"help": "tokens of FILE to evaluate"})
+    generate_tokens: int = field(default=DEFAULT_GENERATE_TOKENS, metadata={"help": "greedy tokens to compare"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC", "metavar": "NAME"})
+    json: str | None = field(
+        default=None, metadata={"help": "write the report here (default DST/verification.json)", "metavar": "PATH"}
     )
-    parser.add_argument("--no-save", action="store_true", help="print only; write no JSON")
+    save: bool = field(default=True, metadata={"help": "print only; write no JSON", "switch": True})
+
+
+def option_classes() -> tuple[type, ...]:
+    return (VerifyArguments,)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         source_gguf_file=args.gguf_file,
     )
     print(report.table())
-    if not args.no_save:
+    if args.save:
         path = report.save(args.json or Path(args.dst) / VERIFICATION_NAME)
         print(f"wrote {path}")
     if report.non_finite():

@@ -23,10 +23,10 @@ from ..modeling.configuration_qkmap import QKMapConfig
 from .adapters import ArchitectureAdapter, adapter_for
 from .errors import ConversionError
 from .options import (
-    DEFAULT_OMEGA0,
     ConversionOptions,
     build_qkmap_config,
     check_source_config,
+    conversion_options,
     normalized_source_config,
     read_source_config,
     source_architecture,
@@ -72,23 +72,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def convert_model(
     model: torch.nn.Module,
+    options: ConversionOptions | None = None,
     *,
-    init: str = "exact",
-    num_frequencies: int = 1,
-    omega0: float = DEFAULT_OMEGA0,
+    init: str | None = None,
+    num_frequencies: int | None = None,
+    omega0: float | None = None,
     dtype: torch.dtype | str | None = None,
     share_weights: bool = False,
 ):
     """Return a ``QKMapForCausalLM`` computing ``model``'s function (``init="exact"``) or its native start (``init="native"``).
 
     Uses the same adapter and tensor plan as ``convert_checkpoint``. Weights are copied unless
-    ``share_weights=True`` (then the converted model shares storage with ``model`` where dtypes agree).
+    ``share_weights=True`` (then the converted model shares storage with ``model`` where dtypes agree). The
+    conversion settings are ``options``' (``ConversionOptions``' defaults), the keywords given replacing its fields.
     """
     from transformers.initialization import no_init_weights
 
     from ..modeling.modeling_qkmap import QKMapForCausalLM
 
-    options = ConversionOptions(init, num_frequencies, omega0, dtype)
+    options = conversion_options(options, init=init, num_frequencies=num_frequencies, omega0=omega0, dtype=dtype)
     architecture = type(model).__name__
     where = f"model {architecture}"
     config_dict = model.config.to_dict()
@@ -148,10 +150,11 @@ def _open_source(resolved: ResolvedSource, options: ConversionOptions, max_shard
 def convert_to_folder(
     src: str | os.PathLike | ResolvedSource,
     dst: str | os.PathLike,
+    options: ConversionOptions | None = None,
     *,
-    init: str = "exact",
-    num_frequencies: int = 1,
-    omega0: float = DEFAULT_OMEGA0,
+    init: str | None = None,
+    num_frequencies: int | None = None,
+    omega0: float | None = None,
     dtype: torch.dtype | str | None = None,
     gguf_file: str | None = None,
     overwrite: bool = False,
@@ -163,9 +166,10 @@ def convert_to_folder(
     """Convert a checkpoint on disk into ``dst``: weights, config, model code, tokenizer and generation config.
 
     ``dst`` appears only when complete (atomic folder). ``finish(folder, result)`` runs inside the hidden
-    folder just before it becomes ``dst``; what it writes appears atomically with the weights.
+    folder just before it becomes ``dst``; what it writes appears atomically with the weights. The conversion
+    settings are as in ``convert_model``.
     """
-    options = ConversionOptions(init, num_frequencies, omega0, dtype)
+    options = conversion_options(options, init=init, num_frequencies=num_frequencies, omega0=omega0, dtype=dtype)
     dst = Path(dst).expanduser().absolute()
     resolved = src if isinstance(src, ResolvedSource) else resolve_source(src, gguf_file, cache_dir)
     check_destination([resolved.directory], dst, overwrite)

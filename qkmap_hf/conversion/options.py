@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..flags import parsed_by
 from ..modeling.configuration_qkmap import FLOAT32_MAX, FLOAT32_TINY, QKMapConfig
 from .adapters import ArchitectureAdapter
 from .errors import ConversionError
@@ -25,12 +26,32 @@ _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
 
 @dataclasses.dataclass(frozen=True)
 class ConversionOptions:
-    """What the user chose; validated once so every entry point refuses the same bad values."""
+    """What the user chose; validated once so every entry point refuses the same bad values.
 
-    init: str = "exact"
-    num_frequencies: int = 1
-    omega0: float = DEFAULT_OMEGA0
-    dtype: torch.dtype | None = None
+    The conversion group: ``qkmap convert``'s ``--init``, ``--num-frequencies``, ``--omega0`` and ``--dtype`` are
+    these fields (``qkmap_hf.flags``), and ``convert_model``, ``convert_to_folder`` and ``convert_checkpoint`` take
+    the object (``conversion_options``), so each default is written here and nowhere else.
+    """
+
+    init: str = dataclasses.field(
+        default="exact",
+        metadata={
+            "help": "exact: function-preserving (omega_0, gains 1/omega_0); native: QKMapConfig's own init (geometric "
+            "frequencies, unit gains), drifts; canonical: deprecated name of native",
+            "choices": (*INITS, *DEPRECATED_INIT_NAMES),
+            "metavar": "{" + ",".join(INITS) + "}",  # the deprecated name parses but is not offered
+        },
+    )
+    num_frequencies: int = dataclasses.field(default=1, metadata={"help": "frequency blocks F", "metavar": "F"})
+    omega0: float = dataclasses.field(default=DEFAULT_OMEGA0, metadata={"help": "omega_0 of the exact init"})
+    dtype: torch.dtype | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "output weight dtype (default: source's)",
+            "choices": tuple(DTYPE_NAMES),
+            "action": parsed_by(str),  # the name; __post_init__ makes it a torch.dtype
+        },
+    )
 
     def __post_init__(self) -> None:
         init = DEPRECATED_INIT_NAMES.get(self.init, self.init)
@@ -60,6 +81,26 @@ class ConversionOptions:
             if self.dtype not in DTYPE_NAMES:
                 raise ConversionError(f"dtype={self.dtype!r} is invalid; choose one of: {', '.join(DTYPE_NAMES)}.")
             object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])
+
+
+def conversion_options(
+    options: ConversionOptions | None = None,
+    *,
+    init: str | None = None,
+    num_frequencies: int | None = None,
+    omega0: float | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> ConversionOptions:
+    """``options`` (default ``ConversionOptions()``) with the keywords given (not None) in place of its fields: the
+    one place the conversion entry points turn their arguments into options, validated once."""
+    changes = {
+        name: value
+        for name, value in (("init", init), ("num_frequencies", num_frequencies), ("omega0", omega0), ("dtype", dtype))
+        if value is not None
+    }
+    if options is None:
+        return ConversionOptions(**changes)
+    return dataclasses.replace(options, **changes) if changes else options
 
 
 def check_source_config(config: dict[str, Any], where: str) -> None:
@@ -161,6 +202,7 @@ __all__ = [
     "ConversionOptions",
     "build_qkmap_config",
     "check_source_config",
+    "conversion_options",
     "normalized_source_config",
     "read_source_config",
     "source_architecture",

@@ -17,9 +17,10 @@ import torch
 from ..filenames import VERIFICATION_NAME
 from ..hub import is_repo_id
 from ..provenance import PROVENANCE_FILES, ConversionRecord
+from ..verify import DEFAULT_GENERATE_TOKENS, DEFAULT_VERIFY_TOKENS
 from .api import ConversionResult, convert_to_folder
 from .errors import ConversionError
-from .options import DEFAULT_OMEGA0, ConversionOptions
+from .options import ConversionOptions, conversion_options
 from .sources import DEFAULT_MAX_SHARD_BYTES, ResolvedSource, resolve_source
 
 PROVENANCE_NAME = PROVENANCE_FILES["conversion"]
@@ -53,8 +54,8 @@ def package_conversion(
     result: ConversionResult,
     *,
     verify_text: str | os.PathLike | None = None,
-    max_tokens: int = 512,
-    generate_tokens: int = 64,
+    max_tokens: int = DEFAULT_VERIFY_TOKENS,
+    generate_tokens: int = DEFAULT_GENERATE_TOKENS,
     base_model: str | None = None,
     progress: bool = True,
 ) -> ConversionRecord:
@@ -92,15 +93,16 @@ def package_conversion(
 def convert_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
+    options: ConversionOptions | None = None,
     *,
-    init: str = "exact",
-    num_frequencies: int = 1,
-    omega0: float = DEFAULT_OMEGA0,
+    init: str | None = None,
+    num_frequencies: int | None = None,
+    omega0: float | None = None,
     dtype: torch.dtype | str | None = None,
     gguf_file: str | None = None,
     verify_text: str | os.PathLike | None = None,
-    max_tokens: int = 512,
-    generate_tokens: int = 64,
+    max_tokens: int = DEFAULT_VERIFY_TOKENS,
+    generate_tokens: int = DEFAULT_GENERATE_TOKENS,
     overwrite: bool = False,
     base_model: str | None = None,
     progress: bool = True,
@@ -114,7 +116,8 @@ def convert_checkpoint(
     source before ``dst`` appears (``verification.json``). Returns ``dst``. Raises ``ConversionError``
     naming the file or field on bad input.
     """
-    ConversionOptions(init, num_frequencies, omega0, dtype)  # bad options first, before touching SRC
+    # bad options first, before touching SRC; built once, here, and handed on
+    options = conversion_options(options, init=init, num_frequencies=num_frequencies, omega0=omega0, dtype=dtype)
     if verify_text is not None:
         from ..verify import check_verify_counts
 
@@ -140,10 +143,7 @@ def convert_checkpoint(
     result = convert_to_folder(
         resolved,
         dst,
-        init=init,
-        num_frequencies=num_frequencies,
-        omega0=omega0,
-        dtype=dtype,
+        options,
         overwrite=overwrite,
         progress=progress,
         max_shard_bytes=max_shard_bytes,

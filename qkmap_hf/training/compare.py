@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_csv, atomic_write_json, atomic_write_text
-from ..flags import OverridesAction, check_numbers, collected_by, parse_overrides
+from ..flags import check_numbers, collected_by, overridden, parse_overrides
 from ..modeling.configuration_qkmap import QK_MODES
-from ..monitoring import DEFAULT_MONITOR_STEPS
-from .optim import QKMAP_LR_MULTIPLIER
+from .data import DataOptions
+from .options import SHARED_GROUPS, OptimizationOptions, RunOptions, shared_fields
 from .presets import PRESETS, get_preset
 from .synthetic import TASKS, answer_accuracy, answer_argmax, parse_task, task_datasets
 
@@ -91,8 +91,11 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 
 
 @dataclass
-class CompareOptions:
-    """Settings of one comparison; every run shares them (see the module docstring). Field ``steps`` is ``--steps``."""
+class CompareOptions(*SHARED_GROUPS):
+    """Settings of one comparison; every run shares them (see the module docstring). Field ``steps`` is ``--steps``.
+
+    The data, optimization and run groups are ``qkmap train``'s (``training/options.py``); ``max_eval_blocks``
+    keeps this command's own default (64: every run of every arm evaluates on them)."""
 
     output_dir: str = field(metadata=_help("where losses.csv, the plots, the summary and the runs go"))
     data: list[str] = field(
@@ -118,33 +121,10 @@ class CompareOptions:
             metavar="LABEL[:FIELD=VALUE,...]",
         ),
     )
-    config: dict[str, Any] = field(
-        default_factory=dict, metadata=_help("QKMapConfig field for every run; repeatable", action=OverridesAction)
-    )
-    tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: byte-level)"))
-    text_field: str = field(default="text", metadata=_help("JSONL field / dataset column with the text"))
-    block_size: int | None = field(default=None, metadata=_help("tokens per packed block (default: the preset's)"))
-    batch_size: int | None = field(default=None, metadata=_help("batch (default: the preset's)"))
-    learning_rate: float | None = field(default=None, metadata=_help("base learning rate (default: the preset's)"))
-    qkmap_lr_multiplier: float = field(
-        default=QKMAP_LR_MULTIPLIER, metadata=_help("QK-MAP learning rate as a multiple of the base")
-    )
-    weight_decay: float = field(default=0.1, metadata=_help("AdamW weight decay of the matrices"))
-    warmup: float = field(default=0.05, metadata=_help("warm-up steps, or a fraction if < 1"))
+    config: dict[str, Any] = overridden(RunOptions, "config", help="QKMapConfig field for every run; repeatable")
+    max_eval_blocks: int | None = overridden(DataOptions, "max_eval_blocks", default=64)
     eval_steps: int | None = field(default=None, metadata=_help("steps between evaluations (default: steps / 10)"))
     logging_steps: int | None = field(default=None, metadata=_help("steps between loss logs (default: steps / 50)"))
-    max_eval_blocks: int = field(default=64, metadata=_help("cap on held-out blocks"))
-    eval_fraction: float = field(default=0.05, metadata=_help("held-out share of the blocks"))
-    split_seed: int = field(default=0, metadata=_help("seed of the held-out split"))
-    max_tokens: int | None = field(default=None, metadata=_help("read at most this many tokens"))
-    attn_implementation: str = field(default="sdpa", metadata=_help("attention kernel of every run"))
-    qk_norm_in_qk_group: bool = field(
-        default=False,
-        metadata=_help("QK-Norm's weights at the QK-MAP group's rate (--tune sets it: qk_lr_multiplier tunes both)"),
-    )
-    monitor_steps: int = field(
-        default=DEFAULT_MONITOR_STEPS, metadata=_help("steps between attention-logit monitor probes; 0 turns it off")
-    )
 
     def __post_init__(self) -> None:
         """Finite numbers, no negative counts or rates (the zero counts are refused by ``qkmap compare``)."""
@@ -244,24 +224,10 @@ def prepare_data(options: CompareOptions) -> tuple[Any, tuple, int]:
         raise ValueError(
             "qkmap compare needs --data PATH... or --task NAME (synthetic tasks: docs/synthetic-tasks.md)."
         )
-    base = TrainOptions(
-        model=options.preset,
-        data=list(options.data),
-        output_dir=str(Path(options.output_dir) / "runs"),
-        tokenizer=options.tokenizer,
-        text_field=options.text_field,
-    )
+    runs = str(Path(options.output_dir) / "runs")
+    base = TrainOptions(options.preset, list(options.data), runs, **shared_fields(options, DataOptions))
     tokenizer = load_tokenizer(base)
-    datasets = build_datasets(
-        options.data,
-        tokenizer,
-        block_size,
-        text_field=options.text_field,
-        eval_fraction=options.eval_fraction,
-        max_eval_blocks=options.max_eval_blocks,
-        split_seed=options.split_seed,
-        max_tokens=options.max_tokens,
-    )
+    datasets = build_datasets(options.data, tokenizer, block_size, options)
     return tokenizer, datasets, block_size
 
 
@@ -335,33 +301,23 @@ def train_run(
     """One run of one arm and seed with the comparison's shared settings (the one place they are assembled)."""
     from .trainer import TrainOptions, train
 
-    train_settings = {
-        "learning_rate": options.learning_rate,
-        "qkmap_lr_multiplier": options.qkmap_lr_multiplier,
-        "weight_decay": options.weight_decay,
-        **variant.train,
-    }
+    # the run and optimization groups as they are (the data group is in ``datasets``), then the arm's own settings
+    shared = shared_fields(options, RunOptions, OptimizationOptions) | variant.train
     run_options = TrainOptions(
-        model=options.preset,
-        data=list(options.data),
-        output_dir=str(output_dir),
+        options.preset,
+        list(options.data),
+        str(output_dir),
+        **shared | {"config": {**options.config, **variant.config}},
         qk_mode=variant.qk_mode,
-        config={**options.config, **variant.config},
         block_size=block_size,
         max_steps=options.steps,
-        batch_size=options.batch_size,
-        warmup=options.warmup,
         seed=seed,
         logging_steps=logging_steps,
         eval_steps=eval_steps,
         save_steps=0,
         disable_tqdm=True,
-        attn_implementation=options.attn_implementation,
         bf16="no",
-        qk_norm_in_qk_group=options.qk_norm_in_qk_group,
-        monitor_steps=options.monitor_steps,
         stop_on_divergence=True,  # a diverged run is recorded with L0 and the comparison goes on
-        **train_settings,
     )
     task_metrics = {"compute_metrics": answer_accuracy, "preprocess_logits_for_metrics": answer_argmax}
     return train(

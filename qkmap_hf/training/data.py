@@ -13,8 +13,9 @@ import json
 import stat
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -25,6 +26,28 @@ TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 BYTE_LEVEL_EOS = "<|endoftext|>"
 _TOKENIZE_BATCH = 256
+
+
+@dataclass(kw_only=True)
+class DataOptions:
+    """How text becomes packed blocks and a held-out split: the data group of ``qkmap train``, ``heal`` and
+    ``compare`` (``TrainOptions`` and ``CompareOptions`` inherit it), and what ``build_datasets`` reads.
+
+    Declared once, here: each field's default and help are those of its flag (``qkmap_hf.flags``). The sources
+    themselves (``--data``) stay with each command, which requires them (train) or takes ``--task`` instead (compare).
+    """
+
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "tokenizer folder (default: the checkpoint's; byte-level for presets)"}
+    )
+    text_field: str = field(default="text", metadata={"help": "JSONL field / dataset column with the text"})
+    block_size: int | None = field(
+        default=None, metadata={"help": "tokens per packed block (default: the preset's, or 1024)"}
+    )
+    max_tokens: int | None = field(default=None, metadata={"help": "read at most this many tokens"})
+    eval_fraction: float = field(default=0.05, metadata={"help": "held-out share of the blocks"})
+    max_eval_blocks: int | None = field(default=256, metadata={"help": "cap on held-out blocks"})
+    split_seed: int = field(default=0, metadata={"help": "seed of the held-out split"})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,14 +309,19 @@ def build_datasets(
     paths: Sequence[str | Path],
     tokenizer,
     block_size: int,
-    *,
-    text_field: str = "text",
-    eval_fraction: float = 0.05,
-    max_eval_blocks: int | None = 256,
-    split_seed: int = 0,
-    max_tokens: int | None = None,
+    options: DataOptions | None = None,
+    **settings: Any,
 ) -> tuple[PackedDataset, PackedDataset, DataStats]:
-    """Read, tokenize, pack and split ``paths``; return train and held-out datasets plus statistics."""
+    """Read, tokenize, pack and split ``paths``; return train and held-out datasets plus statistics.
+
+    The read and split settings are ``options``' (any ``DataOptions``: ``TrainOptions``, ``CompareOptions``;
+    ``DataOptions()`` when not given), with ``settings`` (``eval_fraction=0.0``, ...) replacing single fields, so
+    their defaults are ``DataOptions``' and nowhere else.
+    """
+    data = DataOptions(**{f.name: getattr(options, f.name) for f in fields(DataOptions)}) if options else DataOptions()
+    data = replace(data, **settings)
+    text_field, eval_fraction, max_eval_blocks = data.text_field, data.eval_fraction, data.max_eval_blocks
+    split_seed, max_tokens = data.split_seed, data.max_tokens
     if block_size < 2:
         raise ValueError(f"--block-size={block_size} must be at least 2 (one input and one label).")
     tokens = tokenize_documents(iter_documents(paths, text_field), tokenizer, max_tokens)
@@ -320,6 +348,7 @@ def build_datasets(
 
 
 __all__ = [
+    "DataOptions",
     "DataStats",
     "PackedDataset",
     "build_datasets",

@@ -120,7 +120,10 @@ class HealOptions:
     native_gains: bool = field(
         default=True,
         metadata=_help(
-            "save with the native absolute gains (--keep-inverse-frequency-gains: the inverse-frequency ones)"
+            "save with the native absolute gains (--keep-inverse-frequency-gains: the inverse-frequency ones)",
+            negated_by={
+                "--keep-inverse-frequency-gains": "save with inverse-frequency gains instead of the native absolute ones"
+            },  # the old spelling of --no-native-gains
         ),
     )
     norm_ramp: tuple[float, float] = field(

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_json, atomic_write_text
+from ..flags import check_numbers, collected_by
 from .compare import TRAIN_KEY_ALIASES, TRAIN_KEYS, CompareOptions, Variant, initial_loss, prepare_data, train_run
 
 SWEEP_FORMAT = "qkmap-sweep/1"
@@ -42,14 +43,61 @@ DEFAULT_SETTING = "default"
 DIVERGED_FILE = "diverged.json"  # runs stopped as diverged: why, at which step, and the L0 recorded for them
 
 
+@dataclass(kw_only=True)
+class TuningOptions:
+    """The tuning group of ``qkmap compare`` (``--tune`` and its seeds), declared once: given a grid, each arm's
+    setting is chosen on a tuning split and reported on fresh seeds (the module docstring)."""
+
+    tune: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "tuning grid (repeatable; the cross product is run for every arm), e.g. learning_rate=1e-3,2e-3 "
+            "logit_scale_multiplier=1,4 qk_lr_multiplier=1,10; each arm's choice on the tuning split and "
+            "tuning seeds is rerun on --seeds fresh seeds and reported on a disjoint split",
+            "metavar": "NAME=V1,V2,...",
+            "action": collected_by(str),
+        },
+    )
+    tuning_seeds: int = field(default=1, metadata={"help": "seeds per grid point in tuning"})
+    tuning_first_seed: int = field(default=1000, metadata={"help": "first tuning seed"})
+    save_models: bool = field(default=False, metadata={"help": "keep each report run as a checkpoint in OUT/models"})
+
+    def __post_init__(self) -> None:
+        check_numbers(self, positive=("tuning_seeds",), non_negative=("tuning_first_seed",))
+
+    @property
+    def grid(self) -> dict[str, list]:
+        """``--tune`` as ``{name: [values]}`` (``parse_tune``)."""
+        return parse_tune(self.tune or [])
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.tuning_first_seed, self.tuning_first_seed + self.tuning_seeds))
+
+    @property
+    def requested(self) -> bool:
+        """Whether these options turn a comparison into a sweep (a grid, or report runs to keep)."""
+        return bool(self.tune) or self.save_models
+
+
 @dataclass
 class SweepOptions:
-    """A comparison (its arms, report seeds ``first_seed..``, steps...) plus the tuning grid and tuning seeds."""
+    """A comparison (its arms, report seeds ``first_seed..``, steps...) plus its tuning group."""
 
     compare: CompareOptions
-    tune: dict[str, list] = field(default_factory=dict)
-    tuning_seeds: list[int] = field(default_factory=lambda: [1000])
-    save_models: bool = False
+    tuning: TuningOptions = field(default_factory=TuningOptions)
+
+    @property
+    def tune(self) -> dict[str, list]:
+        return self.tuning.grid
+
+    @property
+    def tuning_seeds(self) -> list[int]:
+        return self.tuning.seeds
+
+    @property
+    def save_models(self) -> bool:
+        return self.tuning.save_models
 
     @property
     def report_seeds(self) -> list[int]:
@@ -479,6 +527,7 @@ def plot_validation(rows: list[dict], labels: list[str], path: Path) -> None:
 
 __all__ = [
     "SweepOptions",
+    "TuningOptions",
     "arm_grid",
     "block_fingerprints",
     "grid_points",

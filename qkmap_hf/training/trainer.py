@@ -394,16 +394,7 @@ def train(
     check_tokenizer_fits(options, tokenizer, model_config)
     resolved = resolve_defaults(options, model_config)
     if datasets is None:
-        datasets = build_datasets(
-            options.data,
-            tokenizer,
-            resolved["block_size"],
-            text_field=options.text_field,
-            eval_fraction=options.eval_fraction,
-            max_eval_blocks=options.max_eval_blocks,
-            split_seed=options.split_seed,
-            max_tokens=options.max_tokens,
-        )
+        datasets = build_datasets(options.data, tokenizer, resolved["block_size"], options)
     train_dataset, eval_dataset, data_stats = datasets
     has_eval = eval_dataset is not None and len(eval_dataset) > 0
 
