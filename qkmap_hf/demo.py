@@ -99,8 +99,8 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the five steps; return (and write to ``demo_summary.json``) what each measured."""
     from .cards import write_model_card
-    from .conversion import convert_checkpoint
     from .hub import validate_for_push
+    from .packaging import convert_checkpoint
 
     output_dir = Path(output_dir).absolute()
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .errors import ConversionError
+from ..errors import ConversionError
 
 
 def _norm_pairs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
