@@ -20,7 +20,7 @@ $PY - "$OUT" <<'PY'
 import sys
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import qkmap_hf  # noqa: F401 - registers the qkmap model type for the trained folder
-from qkmap_hf.conversion import save_qk_norm_as_qwen3
+from qkmap_hf.surgery import save_qk_norm_as_qwen3
 out = sys.argv[1]
 model = AutoModelForCausalLM.from_pretrained(f"{out}/trained").eval()
 save_qk_norm_as_qwen3(model, f"{out}/qwen3", tokenizer=AutoTokenizer.from_pretrained(f"{out}/trained"), overwrite=True)

@@ -4,7 +4,8 @@
     python conversion/convert_llama_to_qkmap.py SRC DST [--init exact|native] [--num-frequencies F]
         [--dtype bfloat16|float32] [--gguf-file NAME] [--verify TEXTFILE] [--overwrite]
 
-All logic lives in ``qkmap_hf.conversion``; this script only hands its arguments to the command's parser.
+All logic lives in ``qkmap_hf`` (``qkmap_hf.packaging.convert_checkpoint``); this script only hands its arguments to the
+command's parser.
 """
 
 import sys

@@ -40,12 +40,13 @@ if importlib.util.find_spec("peft") is not None:
 # Heavier parts load on first use so that `import qkmap_hf` stays fast.
 _LAZY = {
     "convert_model": "qkmap_hf.conversion",
-    "convert_checkpoint": "qkmap_hf.conversion",
+    "convert_checkpoint": "qkmap_hf.packaging",
     "verify_conversion": "qkmap_hf.verify",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .conversion import convert_checkpoint, convert_model
+    from .conversion import convert_model
+    from .packaging import convert_checkpoint
     from .verify import verify_conversion
 
 

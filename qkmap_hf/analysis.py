@@ -44,6 +44,7 @@ from .attention_probes import (
 )
 from .fileio import atomic_write_json
 from .flags import comma_floats, comma_ints, parsed_by
+from .loading import load_causal_lm
 from .phases import describe, input_dim_of, phase_magnitudes, quantiles, regime_from_roles
 
 FORMAT = "qkmap-analysis/1"
@@ -392,13 +393,9 @@ def load_for_analysis(
     path: str | Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ):
     """Model (eager attention) and tokenizer of a checkpoint folder or Hub id; QK-MAP needs no remote code."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    import qkmap_hf  # noqa: F401  (registers model_type "qkmap")
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), attn_implementation="eager", dtype=dtype, trust_remote_code=trust_remote_code
-    )
+    model = load_causal_lm(str(path), attn_implementation="eager", dtype=dtype, trust_remote_code=trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:

@@ -122,7 +122,7 @@ def smollm2_hf_dir() -> Path:
     """
 
     def fill(staging: Path) -> None:
-        from .conversion.sources import load_gguf_causal_lm
+        from .loading import load_gguf_causal_lm
 
         model, tokenizer = load_gguf_causal_lm(smollm2_gguf_dir(), SMOLLM2_GGUF_NAME)
         model.save_pretrained(staging)

@@ -24,7 +24,7 @@ from urllib.parse import quote
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .fileio import atomic_copy, atomic_write_text
-from .hub import is_repo_id
+from .loading import is_repo_id
 from .phases import describe, regime_from_roles
 from .provenance import PROVENANCE_FILES, ProvenanceRecord, load_provenance
 from .safety import contained_path
@@ -251,14 +251,9 @@ def _base_model(records: dict[str, dict]) -> str | None:
     for record in records.values():
         for key in _BASE_MODEL_KEYS:
             value = record.get(key)
-            if isinstance(value, str) and _is_hub_id(value) and not Path(value).exists():
+            if isinstance(value, str) and is_repo_id(value, with_owner=True) and not Path(value).exists():
                 return value
     return None
-
-
-def _is_hub_id(text: str) -> bool:
-    """``ORG/NAME`` as huggingface_hub accepts it: what the card's metadata may name as a model or dataset."""
-    return "/" in text and is_repo_id(text)
 
 
 def _datasets(records: dict[str, dict]) -> list[str] | None:
@@ -266,7 +261,7 @@ def _datasets(records: dict[str, dict]) -> list[str] | None:
     for record in records.values():
         value = record.get("datasets", record.get("dataset"))
         for item in [value] if isinstance(value, str) else value or []:
-            if isinstance(item, str) and _is_hub_id(item) and item not in found:
+            if isinstance(item, str) and is_repo_id(item, with_owner=True) and item not in found:
                 found.append(item)
     return found or None
 
@@ -459,7 +454,9 @@ def render_model_card(
         settings=_settings(config),
         phase_rows=phase_rows,
         phase_regime=phase_regime,
-        usage_repo_id=model_name if model_name and _is_hub_id(model_name) else f"your-org/{repo_id_for_code(name)}",
+        usage_repo_id=model_name
+        if model_name and is_repo_id(model_name, with_owner=True)
+        else f"your-org/{repo_id_for_code(name)}",
         provenance_sections=_provenance_sections(records),
         eval_rows=[{key: markdown_text(value) for key, value in row.items()} for row in eval_rows(results or {})],
         eval_meta={

@@ -108,8 +108,8 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the five steps; return (and write to ``demo_summary.json``) what each measured."""
     from .cards import write_model_card
-    from .conversion import convert_checkpoint
     from .hub import validate_for_push
+    from .packaging import convert_checkpoint
 
     options = options or DemoOptions()
     eval_limit, verify_tokens = options.eval_limit, options.verify_tokens

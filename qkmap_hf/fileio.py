@@ -5,22 +5,26 @@ Every JSON, README, CSV, plot and copied file that qkmap_hf writes goes through 
 temporary file beside the target, rename it into place only when the write succeeded. ``staged_folder`` does
 the same for a whole save (``qkmap train``'s final model): everything is written into a hidden folder beside the
 target, and only a complete save is moved in (renames, which need no space), so a full disk or a kill mid-save
-leaves the old folder as it was.
+leaves the old folder as it was. ``atomic_directory`` writes a new model folder whole (``qkmap convert``, the Qwen3
+export): it appears complete, synced, or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .errors import ConversionError
 from .locking import hidden_temp_prefix
 
 
@@ -92,3 +96,51 @@ def staged_folder(folder: str | os.PathLike, drop: Callable[[Path], bool] = lamb
             os.replace(entry, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def atomic_directory(dst: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a hidden temporary folder beside ``dst``; on success it becomes ``dst``, on any failure it vanishes.
+
+    Every file in it is synced before the rename. With ``overwrite`` the old ``dst`` is moved aside only
+    once the new one is complete, and restored if the final rename fails. KeyboardInterrupt cleans up too;
+    a hard kill leaves only the hidden ``.DST.tmp-PID-*``, which the next run into DST removes
+    (``qkmap_hf.locking``).
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=hidden_temp_prefix(dst), dir=dst.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
+        yield tmp
+        for path in sorted(tmp.iterdir()):
+            if path.is_file():
+                _fsync(path, os.O_RDONLY)
+        _fsync(tmp, os.O_RDONLY)
+        if dst.exists():
+            if any(dst.iterdir()) and not overwrite:
+                raise ConversionError(f"DST {dst} was filled by someone else during the conversion; not replacing it.")
+            old = dst.parent / f"{hidden_temp_prefix(dst, 'old')}{uuid.uuid4().hex[:8]}"
+            dst.rename(old)
+            try:
+                tmp.rename(dst)
+            except BaseException:
+                old.rename(dst)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dst)
+        _fsync(dst.parent, os.O_RDONLY)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync(path: Path, flags: int) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -199,22 +199,9 @@ class PushValidationError(ValueError):
         super().__init__(f"{folder} is not ready to publish; nothing was uploaded:\n{lines}")
 
 
-def is_repo_id(text: str) -> bool:
-    """Whether huggingface_hub accepts ``text`` as a repo id (``ORG/NAME`` or ``NAME``); the one test of the package
-    (a path that starts like a path, ``.``/``/``/``~``, is never one)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if text.startswith((".", "/", "~")):
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
-
-
 def check_repo_id(repo_id: str) -> str:
-    """``repo_id`` if huggingface_hub accepts it (``ORG/NAME`` or ``NAME``), else ``ValueError`` saying why."""
+    """``repo_id`` if huggingface_hub accepts it (``ORG/NAME`` or ``NAME``), else ``ValueError`` saying why: the push
+    target's refusal (``qkmap_hf.loading.is_repo_id`` is the test for a name that may be a model's)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:

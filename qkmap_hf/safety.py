@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import ConversionError
 from .filenames import PICKLE_SUFFIXES, PROVENANCE_FILES
 
 _PICKLE_PROTOCOL_OPCODE = 0x80  # PROTO, first opcode of every protocol 2+ pickle
@@ -254,6 +255,25 @@ def check_overwrite_target(
             f"{' or '.join(PROVENANCE_MARKERS)}); "
             "--overwrite replaces only a previous output. Choose a new or empty folder."
         )
+
+
+def check_destination(src_dirs: list[Path], dst: Path, overwrite: bool) -> None:
+    """Refuse (``ConversionError``) a model folder to write that overlaps a source, is a file, or is not empty
+    without ``overwrite`` (and with it, one that ``check_overwrite_target`` protects)."""
+    for src in src_dirs:
+        src = src.resolve()
+        resolved = dst.resolve()
+        if resolved == src or src in resolved.parents or resolved in src.parents:
+            raise ConversionError(f"DST {dst} overlaps SRC {src}; choose a destination outside the source folder.")
+    if dst.exists() or dst.is_symlink():
+        if not dst.is_dir():
+            raise ConversionError(f"DST {dst} exists and is not a folder; remove it or choose another destination.")
+        if any(dst.iterdir()) and not overwrite:
+            raise ConversionError(
+                f"DST {dst} exists and is not empty; pass --overwrite (overwrite=True) to replace it."
+            )
+        if any(dst.iterdir()):  # never the working folder, a source's parent, or a folder that is not a model's
+            check_overwrite_target(dst, src_dirs)
 
 
 def read_text_file(path: str | os.PathLike) -> str:

@@ -20,8 +20,9 @@ import torch
 
 from .fileio import atomic_write_text
 from .filenames import VERIFICATION_NAME
+from .loading import load_causal_lm, load_source_tokenizer, split_gguf_path
 from .phases import PhaseRecorder
-from .safety import Vocabulary, check_same_vocabulary, load_checked_config, tokenizer_file
+from .safety import Vocabulary, check_same_vocabulary, tokenizer_file
 
 # How much a verification reads and generates by default: ``qkmap verify``, ``qkmap convert --verify`` and the demo.
 DEFAULT_VERIFY_TOKENS = 512
@@ -129,15 +130,8 @@ def _load(model_or_path: Any, gguf_file: str | None = None):
     """A model in eval mode: ``PreTrainedModel`` as given, a path loaded in float32 (GGUF or safetensors)."""
     if isinstance(model_or_path, torch.nn.Module):
         return model_or_path.eval(), None
-    from transformers import AutoModelForCausalLM
-
-    path = Path(model_or_path)
-    if gguf_file is None and path.is_file() and path.suffix == ".gguf":
-        path, gguf_file = path.parent, path.name
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    if not gguf_file and (path / "config.json").is_file():
-        kwargs["config"] = load_checked_config(path)  # a bad field: one line naming the file, not a traceback
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(), (path, gguf_file)
+    path, gguf_file = split_gguf_path(model_or_path, gguf_file)
+    return load_causal_lm(path, gguf_file=gguf_file, dtype=torch.float32), (path, gguf_file)
 
 
 def check_verify_counts(max_tokens: int, generate_tokens: int) -> None:
@@ -171,16 +165,14 @@ def verify_conversion(
     generation continues the first ``prompt_tokens`` tokens for exactly ``generate_tokens`` tokens in both
     models. ``save_to``: write the report as JSON there (a folder gets ``verification.json``).
     """
-    from transformers import AutoTokenizer
-
     check_verify_counts(max_tokens, generate_tokens)
     source_model, source_ref = _load(source, source_gguf_file)
     converted_model, converted_ref = _load(converted)
     sides = []
     for model, ref in ((source_model, source_ref), (converted_model, converted_ref)):
         side_tokenizer = None
-        if tokenizer is None and ref is not None and (ref[1] or tokenizer_file(ref[0]) != str(ref[0])):
-            side_tokenizer = AutoTokenizer.from_pretrained(ref[0], **({"gguf_file": ref[1]} if ref[1] else {}))
+        if tokenizer is None and ref is not None:
+            side_tokenizer = load_source_tokenizer(*ref)
         label = _label(model, ref)
         config_file = label if ref is None or ref[1] else str(Path(label) / "config.json")
         width = model.get_output_embeddings().weight.shape[0]

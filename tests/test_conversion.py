@@ -26,8 +26,9 @@ from transformers import (
 )
 
 import qkmap_hf
-from qkmap_hf.conversion import SUPPORTED_ARCHITECTURES, convert_checkpoint, convert_model
+from qkmap_hf.conversion import SUPPORTED_ARCHITECTURES, convert_model
 from qkmap_hf.modeling.modeling_qkmap import QKMapFeatureMap
+from qkmap_hf.packaging import convert_checkpoint
 
 from .utils import kl_per_token, run_clean_python, tiny_config_kwargs
 

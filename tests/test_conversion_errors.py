@@ -21,8 +21,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from qkmap_hf.conversion import ConversionError, convert_checkpoint
+from qkmap_hf.conversion import ConversionError
 from qkmap_hf.conversion import plan as conversion_plan
+from qkmap_hf.packaging import convert_checkpoint
 
 from .utils import tiny_config_kwargs
 

@@ -14,15 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from qkmap_hf.conversion import (
-    ConversionError,
-    calibrate_reference_scale,
-    convert_checkpoint,
-    convert_model,
-    fold_input_norm,
-    set_input_norm_power,
-)
+from qkmap_hf.conversion import ConversionError, convert_model
 from qkmap_hf.modeling.modeling_qkmap import QKMapForCausalLM, QKMapInputRMSNorm
+from qkmap_hf.packaging import convert_checkpoint
+from qkmap_hf.surgery import calibrate_reference_scale, fold_input_norm, set_input_norm_power
 
 from .utils import kl_per_token, run_clean_python, tiny_config_kwargs
 
@@ -198,7 +193,7 @@ def test_pickle_only_qwen3_refused_without_unpickling(tmp_path, monkeypatch):
 def test_qk_norm_model_saves_as_genuine_qwen3_and_converts_back(tmp_path, ids):
     """A qk_norm-mode model is Qwen3: it saves as Qwen3ForCausalLM (no qkmap code) and converts back exactly."""
     from qkmap_hf import QKMapConfig
-    from qkmap_hf.conversion import save_qk_norm_as_qwen3
+    from qkmap_hf.surgery import save_qk_norm_as_qwen3
 
     torch.manual_seed(5)
     config = QKMapConfig(**tiny_config_kwargs(qk_mode="qk_norm", head_dim=HEAD_DIM, initializer_range=0.1))

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qkmap_hf.assets import SMOLLM2_GGUF_NAME, shakespeare_text, smollm2_gguf_dir, smollm2_hf_dir
-from qkmap_hf.conversion import convert_checkpoint, convert_model
+from qkmap_hf.conversion import convert_model
+from qkmap_hf.packaging import convert_checkpoint
 from qkmap_hf.verify import VerificationReport, verify_conversion
 
 from .utils import kl_per_token, run_clean_python

@@ -21,10 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from qkmap_hf.conversion import ADAPTERS, ArchitectureAdapter, OutputTensor, convert_checkpoint
+from qkmap_hf.conversion import ADAPTERS, ArchitectureAdapter, OutputTensor
 from qkmap_hf.conversion import writer as conversion_writer
 from qkmap_hf.conversion.plan import PlannedTensor
 from qkmap_hf.conversion.sources import SAFETENSORS_DTYPES, SafetensorsSource
+from qkmap_hf.packaging import convert_checkpoint
 
 from .utils import tiny_config_kwargs
 

@@ -12,6 +12,7 @@ import pytest
 
 import qkmap_hf
 from qkmap_hf import QKMapConfig, QKMapForCausalLM
+from qkmap_hf.loading import load_gguf_causal_lm
 from qkmap_hf.safety import vocabulary_difference
 from qkmap_hf.tasks import data_file
 
@@ -49,16 +50,20 @@ def _heal(capsys, work, teacher, *extra):
 
 
 def test_heal_from_a_gguf_teacher_folder(work, capsys):
+    """``qkmap heal CONVERTED --teacher GGUF_FOLDER`` end to end through the CLI: the teacher loads through
+    qkmap_hf.loading (dequantized), distils, and the healed folder is a complete QK-MAP model that loads."""
     code, out, err = _heal(capsys, work, work / "gguf")
     assert code == 0, err
     assert "KL to teacher" in out
     record = json.loads((work / "out" / "qkmap_healing.json").read_text())
     assert record["source"] == str(work / "gguf") and record["steps"] == 2
+    healed = QKMapForCausalLM.from_pretrained(work / "out")
+    assert healed.config.vocab_size == 257 and (work / "out" / "README.md").is_file()
 
 
 def _teacher_folder(work, tokenizer_edit=None):
     """The GGUF teacher saved as a safetensors folder, its tokenizer.json optionally edited."""
-    model, tokenizer = qkmap_hf.conversion.sources.load_gguf_causal_lm(work / "gguf", "tiny.gguf")
+    model, tokenizer = load_gguf_causal_lm(work / "gguf", "tiny.gguf")
     model.save_pretrained(work / "teacher")
     tokenizer.save_pretrained(work / "teacher")
     if tokenizer_edit is not None:

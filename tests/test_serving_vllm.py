@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from qkmap_hf.conversion import convert_checkpoint
+from qkmap_hf.packaging import convert_checkpoint
 from qkmap_hf.training.data import byte_level_tokenizer
 from tests.test_serving import (
     SERVER_PROMPTS,

@@ -1,4 +1,4 @@
-"""``qkmap convert``: argument parsing over ``qkmap_hf.conversion.convert_checkpoint`` (nothing else).
+"""``qkmap convert``: argument parsing over ``qkmap_hf.packaging.convert_checkpoint`` (nothing else).
 
 ``conversion/convert_llama_to_qkmap.py`` calls ``main`` here, so the script and the command are one parser.
 """
@@ -55,9 +55,9 @@ def output_folder(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..conversion import convert_checkpoint
     from ..conversion.options import ConversionOptions
     from ..flags import options_from_namespace
+    from ..packaging import convert_checkpoint
 
     if args.verify is not None and not Path(args.verify).is_file():
         raise FileNotFoundError(f"--verify {args.verify}: no such text file.")

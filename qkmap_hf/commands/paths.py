@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..hub import is_repo_id
+from ..loading import is_repo_id
 
 
 def require_path(option: str, value: str | None, what: str = "file or folder", *, hub_id_ok: bool = False) -> None:

@@ -1,9 +1,12 @@
 """Convert Llama-style checkpoints (Llama, Mistral, Qwen2, Qwen3 and models saved as them) to QK-MAP attention.
 
-One job per module: ``sources`` (where tensors come from), ``plan`` (every output tensor, checked against
-the model), ``writer`` (streaming safetensors, atomic folder), ``api`` (``convert_model`` in memory,
-``convert_to_folder`` on disk), ``packaging`` (provenance, verification and card: ``convert_checkpoint``,
-what the CLI and the demo call), ``adapters`` (the hook) and one small file per family in ``families/``.
+One job per module: ``sources`` (the tensors of a source, streamed), ``plan`` (every output tensor, checked
+against the model), ``writer`` (streaming safetensors, atomic folder), ``api`` (``convert_model`` in memory,
+``convert_to_folder`` on disk), ``adapters`` (the hook) and one small file per family in ``families/``.
+Around it, not in it: ``qkmap_hf.loading`` resolves and loads the source, ``qkmap_hf.packaging``
+(``convert_checkpoint``, what the CLI and the demo call) adds provenance, verification and the card, and
+``qkmap_hf.surgery`` edits models (the input norm, the export back to Qwen3). This package imports neither the
+verifier nor the card writer.
 """
 
 from __future__ import annotations
@@ -12,12 +15,8 @@ from . import families as _families  # noqa: F401 - registers the adapters
 from .adapters import ADAPTERS, ArchitectureAdapter, OutputTensor, register_adapter, supported_architectures
 from .api import ConversionResult, convert_model, convert_to_folder
 from .errors import ConversionError
-from .export_qwen3 import save_qk_norm_as_qwen3
-from .input_norm import calibrate_reference_scale, fold_input_norm, set_input_norm_power
 from .options import INITS, ConversionOptions
-from .packaging import convert_checkpoint, package_conversion
 from .plan import plan_conversion
-from .sources import resolve_source
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = supported_architectures()
 
@@ -30,15 +29,8 @@ __all__ = [
     "ConversionOptions",
     "ConversionResult",
     "OutputTensor",
-    "calibrate_reference_scale",
-    "convert_checkpoint",
     "convert_model",
     "convert_to_folder",
-    "fold_input_norm",
-    "package_conversion",
     "plan_conversion",
     "register_adapter",
-    "resolve_source",
-    "save_qk_norm_as_qwen3",
-    "set_input_norm_power",
 ]

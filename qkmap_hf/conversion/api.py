@@ -3,8 +3,8 @@
 Both resolve the adapter, build the QK-MAP config, plan every tensor (``plan.py``) and materialize it the
 same way. Memory: a safetensors source stays near its largest shard (tensors that go out unchanged are
 copied file to file); a GGUF source is loaded whole and dequantized by transformers first. Nothing here
-writes a model card, provenance or a verification report: that is the packaging step (``packaging.py``),
-which runs inside the same atomic folder through ``finish``.
+writes a model card, provenance or a verification report: that is the packaging step (``qkmap_hf.packaging``,
+a layer above this package), which runs inside the same atomic folder through ``finish``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from typing import Any
 
 import torch
 
+from ..fileio import atomic_directory
+from ..loading import ResolvedSource, load_gguf_causal_lm, refuse_pickle_only, resolve_source
 from ..modeling.configuration_qkmap import QKMapConfig
+from ..safety import check_destination
 from .adapters import ArchitectureAdapter, adapter_for
 from .errors import ConversionError
 from .options import (
@@ -32,17 +35,8 @@ from .options import (
     source_architecture,
 )
 from .plan import ConversionPlan, plan_conversion
-from .sources import (
-    DEFAULT_MAX_SHARD_BYTES,
-    ResolvedSource,
-    SafetensorsSource,
-    StateDictSource,
-    TensorSource,
-    load_gguf_causal_lm,
-    refuse_pickle_only,
-    resolve_source,
-)
-from .writer import atomic_directory, check_destination, copy_remote_code, copy_side_files, write_tensors
+from .sources import DEFAULT_MAX_SHARD_BYTES, SafetensorsSource, StateDictSource, TensorSource
+from .writer import copy_remote_code, copy_side_files, write_tensors
 
 
 @dataclasses.dataclass

@@ -1,10 +1,8 @@
-"""The one error type of the conversion package."""
+"""The conversion package's import point for its one error type, defined in ``qkmap_hf.errors`` (source
+loading raises it too)."""
 
 from __future__ import annotations
 
-
-class ConversionError(ValueError):
-    """A source that cannot be converted; the message names the file or field and what to do."""
-
+from ..errors import ConversionError
 
 __all__ = ["ConversionError"]

@@ -1,5 +1,7 @@
-"""Where source tensors come from: safetensors folders, state dicts in memory (GGUF, ``convert_model``), and
-source resolution (local folder, ``.gguf`` file, or repo id in the local Hugging Face cache; never a download).
+"""Where source tensors come from: safetensors folders and state dicts in memory (GGUF, ``convert_model``).
+
+What a source is (a folder, a ``.gguf`` file, a cached repo id) and how a model is loaded whole is
+``qkmap_hf.loading``'s job; this module streams the tensors of a source that is already resolved.
 
 A source is a list of shards, opened one at a time. A safetensors shard's reader hands out tensors (copied
 out of the file) and, for tensors that go out unchanged, the byte span in the file, so the writer can copy
@@ -20,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..filenames import PICKLE_SUFFIXES, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, TOKENIZER_FILES
-from ..hub import is_repo_id
-from ..safety import check_not_escaping, contained_path, find_pickles
+from ..filenames import SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
+from ..loading import refuse_pickle_only
+from ..safety import check_not_escaping, contained_path
 from .errors import ConversionError
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # in-memory sources (GGUF) shard like save_pretrained
@@ -238,24 +240,6 @@ class StateDictSource(TensorSource):
         yield _MemoryReader(self.tensors)
 
 
-def refuse_pickle_only(directory: Path) -> None:
-    """Pickle checkpoints can run arbitrary code when loaded: explain and refuse, never unpickle.
-
-    Pickles are found by name and by content (a renamed ``.pt`` is still a pickle).
-    """
-    files = sorted(
-        p.name for p in directory.iterdir() if p.is_file() and not p.name.endswith((".json", ".safetensors"))
-    )
-    pickles = sorted(name for name, _ in find_pickles(directory, files))
-    if pickles:
-        raise ConversionError(
-            f"{directory}: only pickle checkpoint files found ({', '.join(pickles[:4])}). Pickle files can execute "
-            "arbitrary code when loaded, so qkmap convert never opens them; it reads safetensors and GGUF only. Use "
-            "the safetensors release of the model, or convert the file yourself in a sandbox you trust "
-            "(model.save_pretrained(dir) writes safetensors)."
-        )
-
-
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Names, shapes, dtypes and data offsets of one shard (header only; the data stays on disk).
 
@@ -287,100 +271,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         ) from error
 
 
-# --------------------------------------------------------------------------------------------------
-# Source resolution
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedSource:
-    directory: Path
-    label: str  # what the user passed (path or repo id), for provenance and messages
-    gguf_file: str | None = None
-    repo_id: str | None = None
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return self.gguf_file is not None or any((self.directory / n).is_file() for n in TOKENIZER_FILES)
-
-
-def resolve_source(
-    src: str | os.PathLike, gguf_file: str | None = None, cache_dir: str | os.PathLike | None = None
-) -> ResolvedSource:
-    """A local folder, a ``.gguf`` file, or a repo id already in the local Hugging Face cache (never downloads)."""
-    label = os.fspath(src)
-    path = Path(label).expanduser()
-    repo_id = None
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return ResolvedSource(path.parent.absolute(), label, gguf_file or path.name)
-        if path.name.endswith(PICKLE_SUFFIXES):
-            refuse_pickle_only(path.parent)
-        raise ConversionError(f"SRC {label} is a file; pass the checkpoint folder (or a .gguf file).")
-    if path.is_dir():
-        directory = path.absolute()
-    elif is_repo_id(label) and not path.exists():
-        from huggingface_hub import snapshot_download
-
-        try:
-            directory = Path(snapshot_download(label, local_files_only=True, cache_dir=cache_dir))
-        except Exception as error:
-            if isinstance(error, KeyboardInterrupt):
-                raise
-            raise ConversionError(
-                f"SRC {label!r} is not a local folder and not a repo id in the local Hugging Face cache "
-                f"({cache_dir or 'HF_HUB_CACHE'}); conversion never downloads. Fetch it first (e.g. `hf download "
-                f"{label}`) or pass a local folder. ({type(error).__name__})"
-            ) from error
-        repo_id = label
-    else:
-        raise ConversionError(f"SRC {label}: no such folder.")
-    if gguf_file is not None:
-        if not (directory / gguf_file).is_file():
-            present = sorted(p.name for p in directory.glob("*.gguf"))
-            raise ConversionError(
-                f"{directory}: GGUF file {gguf_file!r} not found"
-                + (f"; present: {', '.join(present)}." if present else ".")
-            )
-    elif not (directory / "config.json").exists():
-        ggufs = sorted(p.name for p in directory.glob("*.gguf"))
-        if len(ggufs) == 1:
-            gguf_file = ggufs[0]
-        elif ggufs:
-            raise ConversionError(f"{directory}: several GGUF files ({', '.join(ggufs)}); choose one with --gguf-file.")
-    return ResolvedSource(directory, label, gguf_file, repo_id)
-
-
-def load_gguf_causal_lm(directory: str | os.PathLike, gguf_file: str, dtype: torch.dtype | None = None):
-    """Load a GGUF checkpoint with transformers as a plain (dequantized) model, plus its tokenizer.
-
-    The whole model is dequantized into memory (float32 by default). transformers attaches a gguf quantization
-    config on load; it is dropped here so that the model saves (and converts) as an ordinary float checkpoint.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=gguf_file, dtype=torch.float32 if dtype is None else dtype
-    )
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    for holder in (model.config, model):
-        if hasattr(holder, "quantization_config"):
-            delattr(holder, "quantization_config")
-    model.hf_quantizer = None
-    return model, tokenizer
-
-
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "FileSpan",
-    "ResolvedSource",
     "SafetensorsSource",
     "ShardReader",
     "StateDictSource",
     "TensorInfo",
     "TensorSource",
-    "load_gguf_causal_lm",
     "read_safetensors_header",
-    "refuse_pickle_only",
-    "resolve_source",
 ]

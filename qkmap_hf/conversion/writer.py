@@ -1,4 +1,5 @@
-"""Writing: a streaming safetensors writer, the atomic output folder, and the files beside the weights.
+"""Writing: a streaming safetensors writer and the files beside the weights (inside the atomic output folder of
+``qkmap_hf.fileio.atomic_directory``).
 
 The writer knows every header up front (from the plan), so each tensor's bytes go to their final offset
 as soon as the tensor exists: memory holds one tensor, never a shard. Tensors that go out unchanged are
@@ -8,17 +9,13 @@ are synced once, after the last shard, so the disk flushes while later shards ar
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
 import os
-import shutil
 import struct
 import sys
-import tempfile
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +23,7 @@ import torch
 
 from ..fileio import atomic_copy, atomic_write_json
 from ..filenames import SAFETENSORS_INDEX_NAME, TOKENIZER_FILES
-from ..locking import hidden_temp_prefix
-from ..safety import check_not_escaping, check_overwrite_target, contained_path, pickle_reason
+from ..safety import check_not_escaping, contained_path, pickle_reason
 from .errors import ConversionError
 from .plan import ConversionPlan, PlannedTensor
 from .sources import SAFETENSORS_DTYPES, FileSpan, TensorSource
@@ -131,71 +127,6 @@ def write_safetensors_streaming(
     return offset
 
 
-def check_destination(src_dirs: list[Path], dst: Path, overwrite: bool) -> None:
-    for src in src_dirs:
-        src = src.resolve()
-        resolved = dst.resolve()
-        if resolved == src or src in resolved.parents or resolved in src.parents:
-            raise ConversionError(f"DST {dst} overlaps SRC {src}; choose a destination outside the source folder.")
-    if dst.exists() or dst.is_symlink():
-        if not dst.is_dir():
-            raise ConversionError(f"DST {dst} exists and is not a folder; remove it or choose another destination.")
-        if any(dst.iterdir()) and not overwrite:
-            raise ConversionError(
-                f"DST {dst} exists and is not empty; pass --overwrite (overwrite=True) to replace it."
-            )
-        if any(dst.iterdir()):  # never the working folder, a source's parent, or a folder that is not a model's
-            check_overwrite_target(dst, src_dirs)
-
-
-@contextlib.contextmanager
-def atomic_directory(dst: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a hidden temporary folder beside ``dst``; on success it becomes ``dst``, on any failure it vanishes.
-
-    Every file in it is synced before the rename. With ``overwrite`` the old ``dst`` is moved aside only
-    once the new one is complete, and restored if the final rename fails. KeyboardInterrupt cleans up too;
-    a hard kill leaves only the hidden ``.DST.tmp-PID-*``, which the next run into DST removes
-    (``qkmap_hf.locking``).
-    """
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=hidden_temp_prefix(dst), dir=dst.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
-        yield tmp
-        for path in sorted(tmp.iterdir()):
-            if path.is_file():
-                _fsync(path, os.O_RDONLY)
-        _fsync(tmp, os.O_RDONLY)
-        if dst.exists():
-            if any(dst.iterdir()) and not overwrite:
-                raise ConversionError(f"DST {dst} was filled by someone else during the conversion; not replacing it.")
-            old = dst.parent / f"{hidden_temp_prefix(dst, 'old')}{uuid.uuid4().hex[:8]}"
-            dst.rename(old)
-            try:
-                tmp.rename(dst)
-            except BaseException:
-                old.rename(dst)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(dst)
-        _fsync(dst.parent, os.O_RDONLY)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _fsync(path: Path, flags: int) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, flags)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def write_tensors(plan: ConversionPlan, source: TensorSource, out_dir: Path, progress: bool = True) -> None:
     """Stream every shard of the plan into ``out_dir``, one source shard open at a time, plus the index."""
     from tqdm.auto import tqdm
@@ -247,8 +178,6 @@ def copy_side_files(src_dir: Path, out_dir: Path) -> list[str]:
 
 
 __all__ = [
-    "atomic_directory",
-    "check_destination",
     "copy_remote_code",
     "copy_side_files",
     "write_safetensors_streaming",

@@ -23,7 +23,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..fileio import atomic_write_json
-from ..filenames import SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
+from ..filenames import PROVENANCE_FILES, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
 
 COMPLETION_FILE = "qkmap_checkpoint_complete.json"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -95,9 +95,7 @@ def check_output_dir(model: str, output_dir: str, *, is_checkpoint: bool) -> Non
             )
     if not out.is_dir():
         return
-    from .trainer import PROVENANCE_FILE
-
-    ours = (out / PROVENANCE_FILE).is_file() or any(_CHECKPOINT.match(p.name) for p in out.iterdir())
+    ours = (out / PROVENANCE_FILES["training"]).is_file() or any(_CHECKPOINT.match(p.name) for p in out.iterdir())
     clashing = [name for name in OUTPUT_FILES if (out / name).exists()]
     if clashing and not ours:
         raise ValueError(

@@ -34,13 +34,13 @@ from transformers import TrainerCallback
 
 from ..fileio import atomic_copy, atomic_write_csv, atomic_write_json
 from ..flags import check_numbers, fraction_window, parsed_by
+from ..loading import load_causal_lm, load_gguf_causal_lm, load_source_tokenizer
 from ..phases import PhaseRecorder, feature_map_layers
 from ..provenance import PROVENANCE_FILES, HealingRecord
 from ..safety import (
     Vocabulary,
     check_not_escaping,
     check_same_vocabulary,
-    load_checked_config,
     tokenizer_file,
 )
 from .guards import check_output_dir, check_train_options
@@ -187,10 +187,6 @@ def load_teacher(path: str, dtype: torch.dtype = torch.float32):
 
 def load_teacher_with_vocabulary(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Vocabulary]:
     """``load_teacher`` plus what ``heal`` compares with the student before training: its tokenizer and width."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..conversion.sources import load_gguf_causal_lm
-
     folder = Path(path)
     if not (folder / "config.json").exists():
         ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
@@ -199,9 +195,9 @@ def load_teacher_with_vocabulary(path: str, dtype: torch.dtype = torch.float32) 
         teacher, tokenizer = load_gguf_causal_lm(folder, ggufs[0].name, dtype=dtype)
         config_file = tokenizer_source = str(ggufs[0])
     else:
-        teacher = AutoModelForCausalLM.from_pretrained(folder, config=load_checked_config(folder), dtype=dtype)
+        teacher = load_causal_lm(folder, dtype=dtype)
         tokenizer_source, config_file = tokenizer_file(folder), str(folder / "config.json")
-        tokenizer = AutoTokenizer.from_pretrained(folder) if tokenizer_source != str(folder) else None
+        tokenizer = load_source_tokenizer(folder)
     teacher.eval().requires_grad_(False)
     width = teacher.get_output_embeddings().weight.shape[0]
     return teacher, Vocabulary(tokenizer_source, tokenizer, config_file, width)
@@ -387,7 +383,7 @@ class _ScheduleCallback(TrainerCallback):
         if self.trainer.heal_options.native_gains:
             set_gain_parametrization(model, "absolute")
         if getattr(model.config, "qkmap_input_norm", False) and model.config.qkmap_input_norm_power == 0:
-            from ..conversion.input_norm import fold_input_norm
+            from ..surgery.input_norm import fold_input_norm
 
             fold_input_norm(model)  # the same function without the norm: saves as plain QK-MAP
 

@@ -398,7 +398,7 @@ class NormAnnealSchedule:
 
     def calibrate(self, model: nn.Module, blocks: torch.Tensor, step: int, batch_size: int = 4) -> None:
         """Measure ``r`` at ``beta = 1`` (the converted model's own norm), whatever ``beta`` is now."""
-        from ..conversion.input_norm import calibrate_reference_scale
+        from ..surgery.input_norm import calibrate_reference_scale
 
         power = model.config.qkmap_input_norm_power
         was_training = model.training
@@ -415,7 +415,7 @@ class NormAnnealSchedule:
         return 1.0 - self.ramp(progress)
 
     def apply(self, model: nn.Module, progress: float) -> None:
-        from ..conversion.input_norm import set_input_norm_power
+        from ..surgery.input_norm import set_input_norm_power
 
         set_input_norm_power(model, self.power(progress))
 

@@ -127,15 +127,17 @@ def check_checkpoint_fits(checkpoint: str | None, options: TrainOptions, model) 
     """``--resume`` must name a checkpoint of this model's shape; the Trainer's own error is a long traceback."""
     if checkpoint is None:
         return
-    from ..conversion.sources import read_safetensors_header
+    from safetensors import safe_open
 
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     for path in sorted(Path(checkpoint).glob("*.safetensors")):
-        for name, info in read_safetensors_header(path).items():
-            if name in expected and tuple(info.shape) != expected[name]:
+        with safe_open(str(path), framework="pt") as handle:  # headers only
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+        for name, shape in shapes.items():
+            if name in expected and shape != expected[name]:
                 described = options.model if is_preset(options.model) else Path(options.model) / "config.json"
                 raise ValueError(
-                    f"--resume {path} holds {name} of shape {list(info.shape)}, but the model of {described} has "
+                    f"--resume {path} holds {name} of shape {list(shape)}, but the model of {described} has "
                     f"{list(expected[name])}; resume with the same --model and --config it was trained with."
                 )
 

@@ -1,8 +1,9 @@
 """Packaging a conversion for people: provenance, optional verification against the source, and the model card.
 
 ``convert_checkpoint`` is the product the CLI, the ``conversion/`` script and the demo call: the library
-conversion (``api.convert_to_folder``) plus this step, run inside the same atomic folder, so the card,
-``qkmap_conversion.json`` and ``verification.json`` appear together with the weights or not at all.
+conversion (``qkmap_hf.conversion.convert_to_folder``) plus this step, run inside the same atomic folder, so the
+card, ``qkmap_conversion.json`` and ``verification.json`` appear together with the weights or not at all. It sits
+above the conversion package, beside the verifier and the card writer it needs, so that conversion needs neither.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from typing import Any
 
 import torch
 
-from ..filenames import VERIFICATION_NAME
-from ..hub import is_repo_id
-from ..provenance import PROVENANCE_FILES, ConversionRecord
-from ..verify import DEFAULT_GENERATE_TOKENS, DEFAULT_VERIFY_TOKENS
-from .api import ConversionResult, convert_to_folder
-from .errors import ConversionError
-from .options import ConversionOptions, conversion_options
-from .sources import DEFAULT_MAX_SHARD_BYTES, ResolvedSource, resolve_source
+from .conversion import ConversionError, ConversionResult, convert_to_folder
+from .conversion.options import ConversionOptions, conversion_options
+from .conversion.sources import DEFAULT_MAX_SHARD_BYTES
+from .filenames import VERIFICATION_NAME
+from .loading import ResolvedSource, is_repo_id, resolve_source
+from .provenance import PROVENANCE_FILES, ConversionRecord
+from .verify import DEFAULT_GENERATE_TOKENS, DEFAULT_VERIFY_TOKENS
 
 PROVENANCE_NAME = PROVENANCE_FILES["conversion"]
 
@@ -60,11 +60,11 @@ def package_conversion(
     progress: bool = True,
 ) -> ConversionRecord:
     """Write provenance, the verification report (with ``verify_text``) and README.md into ``folder``."""
-    from ..cards import write_model_card
+    from .cards import write_model_card
 
     provenance = conversion_provenance(result, base_model)
     if verify_text is not None:
-        from ..verify import verify_conversion
+        from .verify import verify_conversion
 
         report = verify_conversion(
             result.source_model if result.source_model is not None else result.resolved.directory,
@@ -119,7 +119,7 @@ def convert_checkpoint(
     # bad options first, before touching SRC; built once, here, and handed on
     options = conversion_options(options, init=init, num_frequencies=num_frequencies, omega0=omega0, dtype=dtype)
     if verify_text is not None:
-        from ..verify import check_verify_counts
+        from .verify import check_verify_counts
 
         check_verify_counts(max_tokens, generate_tokens)
     resolved: ResolvedSource = resolve_source(src, gguf_file, cache_dir)
@@ -156,11 +156,11 @@ def _guess_base_model(resolved: ResolvedSource, config: dict[str, Any]) -> str:
     if resolved.repo_id:
         return resolved.repo_id
     name = config.get("_name_or_path") or ""
-    return name if is_repo_id(name) and "/" in name and not Path(name).exists() else resolved.label
+    return name if is_repo_id(name, with_owner=True) and not Path(name).exists() else resolved.label
 
 
 def _qkmap_version() -> str:
-    from ..version import __version__
+    from .version import __version__
 
     return __version__
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConversionError
-from .writer import atomic_directory, check_destination
+from ..errors import ConversionError
+from ..fileio import atomic_directory
+from ..safety import check_destination
 
 _SHARED_FIELDS = (
     "vocab_size",

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..errors import ConversionError
 from ..modeling.qk_registry import constructions_for
-from .errors import ConversionError
 
 
 def _norm_pairs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
