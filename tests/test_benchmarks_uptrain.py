@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from qkmap_hf.assets import shakespeare_text
-from tests.utils import tiny_llama_converted_exactly
+from qkmap_hf.training.data import build_datasets, byte_level_tokenizer
+from tests.utils import load_float32, tiny_llama_converted_exactly
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import uptrain_stability  # noqa: E402
+from heal_smollm2 import split_perplexity  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,6 +56,11 @@ def test_sweep_records_real_numbers_resumes_and_records_a_diverged_run_at_l0(sou
     start = {key: float(next(r for r in run if r["step"] == "0")["held_out_loss"]) for key, run in by_run.items()}
     assert start[("exact", 1e-3)] == pytest.approx(start[("llama", 1e-3)], abs=1e-5)
     assert start[("llama", 1e-3)] == start[("llama", 1e30)]  # same blocks for every run
+    # ... and it is the source's loss on the held-out blocks, computed here independently of the Trainer.
+    _, held_out, _ = build_datasets([source["text"]], byte_level_tokenizer(), 32, max_eval_blocks=4, max_tokens=12000)
+    assert math.log(split_perplexity(load_float32(source["src"]), held_out.blocks)) == pytest.approx(
+        start[("llama", 1e-3)], abs=1e-5
+    )
 
     results = uptrain_stability.read_results(out, uptrain_stability.parser().parse_args(argv))
     for arm in ("llama", "exact"):
