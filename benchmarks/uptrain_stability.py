@@ -98,7 +98,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heal-eval-steps", type=int, default=25)
     p.add_argument("--heal-save-steps", type=int, default=50)
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--markdown", action="store_true", help="print the tables from the finished runs; train nothing")
+    p.add_argument(
+        "--markdown", action="store_true", help="print the tables of the runs in --output-dir; train nothing"
+    )
     return p
 
 
@@ -147,6 +149,14 @@ def stage_one(args: argparse.Namespace, out: Path, source: Path, files: list[str
     """Build what the arms need; returns ``{"models": {arm: folder}, ...records}`` and writes ``stage1.json``."""
     stage = out / "stage1"
     settings = heal_settings(args)
+    built = {"source": str(source), "data": files, "max_tokens": args.max_tokens, **vars(settings)}
+    recorded = stage / "settings.json"
+    if recorded.exists() and json.loads(recorded.read_text()) != built:
+        changed = sorted(k for k, v in json.loads(recorded.read_text()).items() if built.get(k) != v)
+        raise SystemExit(f"{recorded}: stage 1 was built with other settings ({', '.join(changed)}); use another "
+                         "--output-dir or the same flags")  # fmt: skip
+    stage.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(recorded, built)
     record: dict[str, Any] = {"heal_settings": vars(settings), "models": {"llama": str(source)}}
     converted = stage / "converted-exact"
     if set(args.arms) - {"llama"} and not (converted / "config.json").exists():
@@ -400,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     out = Path(args.output_dir)
-    if args.markdown:
+    if args.markdown:  # the grid of the run in OUT (its summary.json), whatever the flags say
+        if (out / "summary.json").exists():
+            settings = json.loads((out / "summary.json").read_text())["settings"]
+            args.arms, args.learning_rates, args.seeds = settings["arms"], settings["learning_rates"], settings["seeds"]
         stage1_path = out / "stage1.json"
         stage1 = json.loads(stage1_path.read_text()) if stage1_path.exists() else None
         print(markdown(summarize(args, read_results(out, args), stage1)))

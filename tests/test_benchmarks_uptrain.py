@@ -90,7 +90,7 @@ def test_sweep_records_real_numbers_resumes_and_records_a_diverged_run_at_l0(sou
     assert "4 done already, 0 to go" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/result.json")} == before
 
-    assert uptrain_stability.main([*argv, "--markdown"]) == 0
+    assert uptrain_stability.main(["--output-dir", str(out), "--markdown"]) == 0  # the run's grid, not the defaults
     table = capsys.readouterr().out
     assert f"| exact | 0.001 | {exact['mean_perplexity']:.2f} (" in table and "| 1/1 |" in table
 
@@ -119,9 +119,11 @@ def test_stage_one_heals_sham_heals_and_splits_the_cost(source, tmp_path, capsys
     table = capsys.readouterr().out
     assert f"| sham heal (alpha 0.05) | {stage1['sham_healed']['perplexity']:.2f} |" in table
 
-    # Stage 1 is cached: a rerun converts and heals nothing again.
+    # Stage 1 is cached: a rerun converts and heals nothing again; other heal settings are refused, not mixed in.
     assert uptrain_stability.main(argv) == 0
     assert "stage 1:" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="stage 1 was built with other settings \\(steps\\)"):
+        uptrain_stability.main([*argv, "--heal-steps", "5"])
 
 
 def test_refusals_are_one_line_naming_the_flag(source, tmp_path, capsys):
