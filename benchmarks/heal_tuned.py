@@ -35,10 +35,10 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 
-from heal_smollm2 import MILTON, attention_behaviour  # noqa: E402
+from heal_smollm2 import attention_behaviour  # noqa: E402
 
 import qkmap_hf  # noqa: E402
-from qkmap_hf.assets import shakespeare_dir, smollm2_hf_dir  # noqa: E402
+from qkmap_hf.assets import shakespeare_files, smollm2_hf_dir  # noqa: E402
 from qkmap_hf.fileio import atomic_write_json  # noqa: E402
 from qkmap_hf.training.data import build_datasets  # noqa: E402
 from qkmap_hf.training.sweep import block_fingerprints, format_interval, paired_interval, split_heldout  # noqa: E402
@@ -56,7 +56,7 @@ def run_folder(out: Path, job: dict) -> Path:
 
 def training_files() -> list[str]:
     """The Shakespeare files of the cached package without the Milton files (docs/healing.md's training text)."""
-    return sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if not any(m in p.name for m in MILTON))
+    return shakespeare_files()
 
 
 def load_data(args: argparse.Namespace, tokenizer) -> dict:

