@@ -237,11 +237,12 @@ def test_the_shared_groups_are_declared_once_and_composed():
 
 
 def test_library_defaults_come_from_the_option_classes():
-    from qkmap_hf.conversion import convert_checkpoint, convert_model
+    from qkmap_hf.conversion import convert_model
     from qkmap_hf.conversion.api import convert_to_folder
     from qkmap_hf.conversion.options import ConversionOptions, conversion_options
     from qkmap_hf.demo import DemoOptions, run_demo
     from qkmap_hf.flags import default_of
+    from qkmap_hf.packaging import convert_checkpoint
     from qkmap_hf.serving import serve_command
     from qkmap_hf.training.data import DataOptions, build_datasets
     from qkmap_hf.verify import verify_conversion

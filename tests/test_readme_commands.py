@@ -10,6 +10,7 @@ fresh folder whose README placeholders (``SRC``, ``text.txt``, ``plays/``, model
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import shlex
@@ -113,6 +114,13 @@ def _parse(argv: list[str], monkeypatch, capsys):
     return module, handed[0]
 
 
+def _flag_destinations(command: str) -> dict[str, str]:
+    """Every spelling of every flag of ``qkmap COMMAND`` (aliases included) -> the namespace field it sets."""
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {flag: action.dest for action in subparsers.choices[command]._actions for flag in action.option_strings}
+
+
 def test_readme_documents_qkmap_commands():
     assert len(COMMANDS) >= 5, COMMANDS
     unknown = [argv for argv in COMMANDS if not argv or argv[0] not in cli.COMMANDS]
@@ -125,10 +133,11 @@ def test_readme_command(argv, inputs, tmp_path, monkeypatch, capsys):
     with monkeypatch.context() as patch:
         module, args = _parse(argv, patch, capsys)
     values = vars(args)
+    dests = _flag_destinations(argv[0])
     flags, positionals = _flags_and_positionals(argv)
     for flag, value in flags:
-        dest = flag[2:].replace("-", "_")
-        assert dest in values, f"{flag}: not an option of qkmap {argv[0]} ({sorted(values)})"
+        dest = dests.get(flag, flag[2:].replace("-", "_"))  # qkmap eval: lm-eval's parser, its own names
+        assert dest in values, f"{flag}: not an option of qkmap {argv[0]} ({sorted(dests)})"
         if value is None:
             assert values[dest] is True, f"{flag} = {values[dest]!r}"
         else:
