@@ -252,30 +252,41 @@ class TrainingMonitor(TrainerCallback):
 class DivergenceGuard(TrainerCallback):
     """Stops a run whose loss is not finite or stays above ``L0``; ``diverged`` then says why and where.
 
-    ``L0`` is the first logged training loss (the model at initialisation, with ``logging_first_step``). "Stays
-    above" means ``patience`` consecutive logs above ``L0`` once the warm-up is over (a spike that recovers is not a
-    divergence). Needs ``logging_nan_inf_filter=False``, or the Trainer hides non-finite losses from the log.
+    A non-finite training loss stops the run at once. "Stays above ``L0``" is judged on the held-out loss when the
+    run evaluates before its first step (``eval_on_start``): ``L0`` is that evaluation and ``eval_patience``
+    consecutive evaluations above it after the warm-up stop the run. One training batch is a noisy draw (a pretrained
+    model up-trained with batch 1 logs losses above its own average half the time), so the training loss is the
+    criterion only for runs that do not evaluate: ``L0`` is then the first logged loss (``logging_first_step``) and
+    ``patience`` consecutive logs above it stop the run. Needs ``logging_nan_inf_filter=False``, or the Trainer hides
+    non-finite losses from the log.
     """
 
-    def __init__(self, patience: int = 3):
+    def __init__(self, patience: int = 3, eval_patience: int = 2):
         self.patience = patience
+        self.eval_patience = eval_patience
         self.initial_loss: float | None = None
+        self.judged_on: str | None = None  # "eval_loss" or "loss": set by the first log that carries one
         self.above = 0
         self.diverged: dict[str, Any] | None = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        loss = (logs or {}).get("loss")
-        if loss is None:
-            return control
-        if self.initial_loss is None:
-            self.initial_loss = float(loss)
-        warmup_over = state.global_step > max(args.get_warmup_steps(state.max_steps), 1)
-        self.above = self.above + 1 if warmup_over and loss > self.initial_loss else 0
+        logs = logs or {}
+        loss = logs.get("loss")
+        if self.judged_on is None and ("eval_loss" in logs or loss is not None):
+            self.judged_on = "eval_loss" if "eval_loss" in logs and state.global_step == 0 else "loss"
         reason = None
-        if not math.isfinite(loss):
+        if loss is not None and not math.isfinite(loss):
             reason = f"loss {loss} at step {state.global_step}"
-        elif self.above >= self.patience:
-            reason = f"loss above L0={self.initial_loss:.4f} for {self.above} logs (step {state.global_step})"
+        judged = logs.get(self.judged_on) if self.judged_on else None
+        if judged is not None and reason is None:
+            if self.initial_loss is None:
+                self.initial_loss = float(judged)
+            warmup_over = state.global_step > max(args.get_warmup_steps(state.max_steps), 1)
+            self.above = self.above + 1 if warmup_over and not judged <= self.initial_loss else 0
+            patience = self.eval_patience if self.judged_on == "eval_loss" else self.patience
+            if self.above >= patience:
+                what = "held-out loss" if self.judged_on == "eval_loss" else "loss"
+                reason = f"{what} above L0={self.initial_loss:.4f} for {self.above} logs (step {state.global_step})"
         if reason and self.diverged is None:
             self.diverged = {"reason": reason, "step": state.global_step, "initial_loss": self.initial_loss}
             control.should_training_stop = True

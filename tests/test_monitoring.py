@@ -157,6 +157,34 @@ def test_divergence_guard(losses, stopped_at):
         assert guard.diverged["initial_loss"] == 5.0
 
 
+def test_divergence_guard_judges_held_out_loss_when_the_run_evaluates_from_the_start():
+    """Up-training a pretrained model with batch 1: single-batch losses above the held-out L0 are noise, not a
+    divergence; held-out evaluations above L0 twice in a row after the warm-up are; a NaN training loss always is."""
+    logs = [(0, {"eval_loss": 4.0})]  # L0: the held-out loss before the first step
+    logs += [(step, {"loss": 4.0 + (0.6 if step % 2 else -0.3)}) for step in range(1, 40)]  # noisy, above L0 often
+    logs += [(20, {"eval_loss": 3.9}), (40, {"eval_loss": 3.8})]
+    guard, control = DivergenceGuard(patience=3), _Control()
+    for step, entry in sorted(logs, key=lambda item: item[0]):
+        guard.on_log(_Args(), _State(step), control, logs=entry)
+    assert guard.diverged is None and not control.should_training_stop
+
+    guard, control = DivergenceGuard(), _Control()
+    for step, entry in [
+        (0, {"eval_loss": 4.0}),
+        (10, {"eval_loss": 4.2}),
+        (15, {"loss": 3.0}),
+        (20, {"eval_loss": 4.1}),
+    ]:
+        guard.on_log(_Args(), _State(step), control, logs=entry)
+    assert guard.diverged == {"reason": guard.diverged["reason"], "step": 20, "initial_loss": 4.0}
+    assert "held-out loss above L0=4.0000 for 2 logs" in guard.diverged["reason"]
+
+    guard, control = DivergenceGuard(), _Control()
+    for step, entry in [(0, {"eval_loss": 4.0}), (5, {"loss": float("inf")})]:
+        guard.on_log(_Args(), _State(step), control, logs=entry)
+    assert guard.diverged["step"] == 5 and control.should_training_stop
+
+
 # --------------------------------------------------------------------------------------------------
 # Gain treatments
 # --------------------------------------------------------------------------------------------------
