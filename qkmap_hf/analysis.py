@@ -1,23 +1,17 @@
-"""The paper's three attention diagnostics for any causal LM with separate ``q_proj``/``k_proj`` modules.
+"""``qkmap analyze``: runs the attention diagnostics (``qkmap_hf.diagnostics``) on checkpoints and writes the report.
 
-Works for Llama-family checkpoints (the source of a conversion), converted and trained QK-MAP models, and the
-``standard``/``qk_norm`` baselines, so their numbers sit side by side:
+Works for any causal LM with separate ``q_proj``/``k_proj`` modules: Llama-family checkpoints (the source of a
+conversion), converted and trained QK-MAP models, and the ``standard``/``qk_norm`` baselines, so their numbers sit
+side by side. Each measure is a unit of ``qkmap_hf.diagnostics`` with its typed result; this module owns what they
+share: the probe inputs (text windows, needle prompts), one unscaled pass captured for the measures that re-run a
+single layer (with the phase recorder on), the order of the entries of ``analysis.json`` and its plots:
 
-1. **Input-scale sensitivity.** The outputs of ``q_proj`` and ``k_proj`` of one layer (``z = W x + b``, the
-   input of the query/key construction) are multiplied by a factor ``s``; the layer's attention rows are
-   compared with the unscaled ones by total-variation distance, per head. The attention module is re-run on
-   the inputs it saw in the unscaled pass, so each number isolates one layer. QK-Norm divides the scale out (zero up to its epsilon), standard attention
-   sharpens or flattens with ``s**2``, QK-MAP moves its phases ``omega * z``. For QK-MAP layers the typical
-   phase ``omega * |z|`` is reported too: while it is small the model computes standard attention (the
-   regime of an exactly converted model), large phases mean the periodic features are in use.
-2. **Attention mass on the first token** (the attention sink), per head, averaged over query positions >= 1.
-3. **Evidence contrast** in the synthetic long-context task (``qkmap_hf.tasks.needle``): from the question
-   tokens, attention per evidence token over attention per distractor token (log2; 0 means no preference),
-   per head and context length (in tokens of the model's tokenizer). Token 0 is left out of the distractors
-   so that the sink of analysis 2 does not dilute this one.
-
-Attention weights come from hooks on the attention modules with the eager kernel; rows are reduced as they
-are produced, so long contexts do not keep every layer's full matrix.
+1. input-scale sensitivity (``diagnostics.scale_sensitivity``), with the phases of QK-MAP layers
+   (``diagnostics.phases``, through ``phases.PhaseRecorder`` as ``qkmap verify`` measures them);
+2. attention mass on the first token (``diagnostics.first_token_mass``), attention distance and the position-only
+   share (``diagnostics.attention_distance``, ``diagnostics.position_share``), key-scale sensitivity
+   (``diagnostics.key_scale``);
+3. the needle contrasts (``diagnostics.contrast``): question to evidence, answer position to the value.
 """
 
 from __future__ import annotations
@@ -32,12 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention_probes as probes
 from .analysis_plots import plot_comparison, plot_model
-from .attention_probes import (
+from .attention_probes import needle_prompts
+from .diagnostics import ModelDiagnostics, attention_distance, contrast, key_scale, position_share, scale_sensitivity
+from .diagnostics import first_token_mass as first_token
+from .diagnostics import phases as phase_measure
+from .diagnostics.hooks import (
     AttentionLayer,
     attention_layers,
-    attention_weights,
+    capture,
     forward_without_cache,
     prepended_bos_id,
     use_eager_attention,
@@ -45,7 +42,6 @@ from .attention_probes import (
 from .fileio import atomic_write_json
 from .flags import comma_floats, comma_ints, parsed_by
 from .loading import load_causal_lm
-from .phases import describe, input_dim_of, phase_magnitudes, quantiles, regime_from_roles
 
 FORMAT = "qkmap-analysis/1"
 
@@ -92,44 +88,6 @@ class AnalysisSettings:
             raise ValueError(f"context_lengths={self.context_lengths}: each must be at least 32 tokens.")
 
 
-def _scale_hook(factor: float) -> Callable:
-    def hook(_module, _inputs, output):
-        return output * factor
-
-    return hook
-
-
-def _contrast_hook(
-    layer: AttentionLayer,
-    question: torch.Tensor,
-    evidence: torch.Tensor,
-    distractor: torch.Tensor,
-    lifts: list,
-    masses: list,
-) -> Callable:
-    """Hook: reduce the question rows of one layer to per-head log2 lift and evidence mass, keep nothing else."""
-
-    def hook(_module, _inputs, output):
-        rows = attention_weights(output, layer)[0][:, question]  # (heads, question tokens, keys)
-        e_mass = rows[..., evidence].sum(-1)
-        d_mass = rows[..., distractor].sum(-1)
-        lift = (e_mass / evidence.sum()) / (d_mass / distractor.sum()).clamp_min(1e-30)
-        lifts[layer.index] = torch.log2(lift.clamp_min(1e-30)).mean(-1).tolist()
-        masses[layer.index] = e_mass.mean(-1).tolist()
-
-    return hook
-
-
-def _phase_stats(layer: AttentionLayer, z: torch.Tensor) -> dict[str, float]:
-    """``|omega * z|`` over tokens, heads, frequencies and channels (``qkmap_hf.phases``, the one definition)."""
-    m = input_dim_of(layer.attention) or z.shape[-1] // layer.feature_map.frequency().shape[0]
-    return quantiles(phase_magnitudes(z, layer.feature_map.frequency(), m))
-
-
-def _regime(layer_phases: list[dict]) -> str:
-    return describe(regime_from_roles(layer_phases))
-
-
 def _windows(tokenizer, text: str, settings: AnalysisSettings) -> tuple[torch.Tensor, bool]:
     """``num_windows`` consecutive windows of ``max_tokens``; each starts with BOS when the tokenizer adds one."""
     bos = prepended_bos_id(tokenizer)
@@ -145,160 +103,33 @@ def _windows(tokenizer, text: str, settings: AnalysisSettings) -> tuple[torch.Te
     return torch.tensor(rows), bos is not None
 
 
-def _capture_all(
-    model: nn.Module, layers: list[AttentionLayer], input_ids: torch.Tensor, with_phase: bool
-) -> tuple[list, dict]:
-    """Unscaled attention of every layer, each attention module's inputs, and the q/k projections of QK-MAP layers."""
-    attentions: list[torch.Tensor | None] = [None] * len(layers)
-    projections: dict[tuple[int, str], torch.Tensor] = {}
-    handles = []
-    for layer in layers:
-
-        def grab(_m, _i, output, layer=layer):
-            attentions[layer.index] = attention_weights(output, layer)
-
-        def inputs(_m, args, kwargs, layer=layer):
-            layer.extra["inputs"] = (args, kwargs)
-
-        handles.append(layer.attention.register_forward_hook(grab))
-        handles.append(layer.attention.register_forward_pre_hook(inputs, with_kwargs=True))
-        if with_phase and layer.feature_map is not None:
-            for name, proj in (("query", layer.q_proj), ("key", layer.k_proj)):
-
-                def keep(_m, _i, output, key=(layer.index, name)):
-                    projections[key] = output.detach()
-
-                handles.append(proj.register_forward_hook(keep))
-    try:
-        forward_without_cache(model, input_ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return attentions, projections
-
-
-@torch.no_grad()
-def scale_sensitivity(layers: list[AttentionLayer], baseline: list[torch.Tensor], scales, progress) -> dict:
-    """Analysis 1: total-variation distance of attention rows under rescaled ``q_proj``/``k_proj`` outputs.
-
-    Each attention module is called again on the inputs it received in the unscaled pass, with its projections
-    scaled: earlier layers are untouched by construction, and no full forward pass is repeated.
-    """
-    per_head: dict[str, list[list[float]]] = {}
-    for scale in scales:
-        rows = []
-        for layer in layers:
-            args, kwargs = layer.extra["inputs"]
-            handles = [
-                layer.q_proj.register_forward_hook(_scale_hook(scale)),
-                layer.k_proj.register_forward_hook(_scale_hook(scale)),
-            ]
-            try:
-                weights = attention_weights(layer.attention(*args, **kwargs), layer)
-            finally:
-                for handle in handles:
-                    handle.remove()
-            # rows >= 1: the first query attends to itself only, in every mode
-            tv = 0.5 * (weights - baseline[layer.index]).abs().sum(-1)[:, :, 1:]
-            rows.append(tv.mean(dim=(0, 2)).tolist())
-            progress(1)
-        per_head[_key(scale)] = rows
-    for layer in layers:
-        layer.extra.pop("inputs", None)
-    return {
-        "metric": "mean total-variation distance of attention rows (query positions >= 1) vs. unscaled",
-        "scaled": "outputs of q_proj and k_proj of one layer at a time",
-        "scales": list(scales),
-        "per_head": per_head,
-        "layer_mean": {s: [sum(r) / len(r) for r in rows] for s, rows in per_head.items()},
-        "mean": {s: _mean2(rows) for s, rows in per_head.items()},
-        "max": {s: max(max(r) for r in rows) for s, rows in per_head.items()},
-    }
-
-
 def first_token_mass(baseline: list[torch.Tensor], first_is_bos: bool) -> dict:
-    """Analysis 2: attention on position 0, per head, averaged over query positions >= 1 and windows."""
-    per_head = [weights[:, :, 1:, 0].mean(dim=(0, 2)).tolist() for weights in baseline]
-    length = baseline[0].shape[-1]
-    return {
-        "per_head": per_head,
-        "layer_mean": [sum(r) / len(r) for r in per_head],
-        "mean": _mean2(per_head),
-        "uniform_reference": sum(1.0 / (t + 1) for t in range(1, length)) / (length - 1),
-        "first_token_is_bos": first_is_bos,
-        "tokens": length,
-    }
+    """Analysis 2 on per-layer attention weights, as ``analysis.json`` holds it (``diagnostics.first_token_mass``)."""
+    return first_token.from_weights(baseline, first_is_bos).to_dict()
 
 
 def evidence_contrast(
-    model, layers, tokenizer, settings: AnalysisSettings, max_positions: int | None, progress
+    model: nn.Module,
+    layers: list[AttentionLayer],
+    tokenizer,
+    settings: AnalysisSettings,
+    max_positions: int | None,
+    progress: Callable[[int], Any],
+    kind: contrast.ContrastKind = contrast.EVIDENCE,
 ) -> dict:
-    """Analysis 3: attention per evidence token over attention per distractor token, from the question tokens.
+    """Analysis 3 (or, with ``kind=contrast.ANSWER``, the answer contrast) over the needle prompts of ``settings``.
 
     A prompt over the model's length loses distractors from its start (``needle_prompt_ids``): the question stays.
     """
-    by_length: dict[str, dict] = {}
+    return _contrast(model, layers, tokenizer, settings, max_positions, progress, kind).to_dict()
+
+
+def _contrast(model, layers, tokenizer, settings, max_positions, progress, kind) -> contrast.NeedleContrast:
     skipped: list[dict] = []
-    prompts_by_length = probes.needle_prompts(
+    prompts = needle_prompts(
         tokenizer, settings.context_lengths, settings.needle_examples, settings.seed, max_positions, skipped, progress
     )
-    for length, prompts in prompts_by_length:
-        lifts, masses, token_counts = [], [], []
-        for ids, kinds in prompts:
-            evidence = torch.tensor([k in ("evidence", "value") for k in kinds])
-            distractor = torch.tensor([k == "distractor" for k in kinds])
-            distractor[0] = False
-            question = torch.tensor([k == "question" for k in kinds]).nonzero().flatten()
-            layer_lift: list[list[float]] = [[] for _ in layers]
-            layer_mass: list[list[float]] = [[] for _ in layers]
-            handles = [
-                layer.attention.register_forward_hook(
-                    _contrast_hook(layer, question, evidence, distractor, layer_lift, layer_mass)
-                )
-                for layer in layers
-            ]
-            try:
-                forward_without_cache(model, torch.tensor([ids]))
-            finally:
-                for handle in handles:
-                    handle.remove()
-            lifts.append(layer_lift)
-            masses.append(layer_mass)
-            token_counts.append(len(ids))
-            progress(1)
-        if not lifts:
-            continue
-        lift_mean = _average(lifts)
-        mass_mean = _average(masses)
-        by_length[str(length)] = {
-            "tokens_mean": round(sum(token_counts) / len(token_counts)),
-            "examples": len(token_counts),
-            "per_head_log2_lift": lift_mean,
-            "per_head_evidence_mass": mass_mean,
-            "layer_mean_log2_lift": [sum(r) / len(r) for r in lift_mean],
-            "mean_log2_lift": _mean2(lift_mean),
-            "max_head_log2_lift": max(max(r) for r in lift_mean),
-            "mean_evidence_mass": _mean2(mass_mean),
-        }
-    return {
-        "metric": "log2(attention per evidence token / attention per distractor token), from question tokens",
-        "lengths": [int(k) for k in by_length],
-        "by_length": by_length,
-        "skipped": skipped,
-    }
-
-
-def _key(scale: float) -> str:
-    return f"{scale:g}"
-
-
-def _mean2(rows: list[list[float]]) -> float:
-    values = [v for r in rows for v in r]
-    return sum(values) / len(values)
-
-
-def _average(samples: list[list[list[float]]]) -> list[list[float]]:
-    return torch.tensor(samples, dtype=torch.float64).mean(0).tolist()
+    return contrast.measure(model, layers, prompts, kind, progress, skipped)
 
 
 def _default_text() -> str:
@@ -309,6 +140,56 @@ def _default_text() -> str:
 
 
 @torch.no_grad()
+def diagnose_model(
+    model: nn.Module,
+    tokenizer,
+    text: str | None = None,
+    settings: AnalysisSettings | None = None,
+    *,
+    progress: bool = True,
+    label: str = "model",
+) -> ModelDiagnostics:
+    """Run every diagnostic on a loaded model; returns the typed results (no files written)."""
+    from tqdm.auto import tqdm
+
+    settings = settings or AnalysisSettings()
+    model.eval()
+    use_eager_attention(model)
+    layers = attention_layers(model)
+    input_ids, first_is_bos = _windows(tokenizer, text if text is not None else _default_text(), settings)
+    input_ids = input_ids.to(next(model.parameters()).device)
+    config = getattr(model, "config", None)
+    total = 1 + len(layers) * (len(settings.scales) + 1) + 2 * len(settings.context_lengths) * settings.needle_examples
+    bar = tqdm(total=total, desc=f"analyze {label}", disable=not progress, unit="pass")
+    try:
+        with phase_measure.recorder(model) as phases:
+            captured = capture(model, layers, input_ids, first_is_bos)
+        bar.update(1)
+        model_type = getattr(config, "model_type", None)
+        result = ModelDiagnostics(
+            label=label,
+            model_class=type(model).__name__,
+            model_type=model_type,
+            qk_mode=getattr(config, "qk_mode", "standard" if model_type == "llama" else None),
+            num_layers=len(layers),
+            num_heads=captured.weights[0].shape[1],
+            key_scale_sensitivity=key_scale.measure(captured, bar.update),
+            scale_sensitivity=scale_sensitivity.measure(captured, settings.scales, bar.update),
+            first_token_mass=first_token.measure(captured),
+            phase=phase_measure.from_recorder(phases),
+            attention_distance=attention_distance.measure(captured),
+            position_only_share=position_share.measure(captured),
+        )
+        del captured
+        max_positions = getattr(config, "max_position_embeddings", None)
+        for kind in (contrast.EVIDENCE, contrast.ANSWER):
+            measured = _contrast(model, layers, tokenizer, settings, max_positions, bar.update, kind)
+            setattr(result, kind.key, measured)
+    finally:
+        bar.close()
+    return result
+
+
 def analyze_model(
     model: nn.Module,
     tokenizer,
@@ -318,70 +199,8 @@ def analyze_model(
     progress: bool = True,
     label: str = "model",
 ) -> dict:
-    """Run the three analyses on a loaded model; returns the JSON-ready result (no files written)."""
-    from tqdm.auto import tqdm
-
-    settings = settings or AnalysisSettings()
-    model.eval()
-    use_eager_attention(model)
-    layers = attention_layers(model)
-    input_ids, first_is_bos = _windows(tokenizer, text if text is not None else _default_text(), settings)
-    device = next(model.parameters()).device
-    input_ids = input_ids.to(device)
-    config = getattr(model, "config", None)
-    total = 1 + len(layers) * (len(settings.scales) + 1) + 2 * len(settings.context_lengths) * settings.needle_examples
-    bar = tqdm(total=total, desc=f"analyze {label}", disable=not progress, unit="pass")
-    try:
-        has_map = any(layer.feature_map is not None for layer in layers)
-        baseline, projections = _capture_all(model, layers, input_ids, with_phase=has_map)
-        bar.update(1)
-        key_scale = probes.key_scale_sensitivity(layers, baseline, bar.update)  # before scale_sensitivity pops inputs
-        result: dict[str, Any] = {
-            "label": label,
-            "model_class": type(model).__name__,
-            "model_type": getattr(config, "model_type", None),
-            "qk_mode": getattr(
-                config, "qk_mode", "standard" if getattr(config, "model_type", None) == "llama" else None
-            ),
-            "num_layers": len(layers),
-            "num_heads": baseline[0].shape[1],
-            "scale_sensitivity": scale_sensitivity(layers, baseline, settings.scales, bar.update),
-            "first_token_mass": first_token_mass(baseline, first_is_bos),
-            "phase": None,
-            **probes.pattern_measures(baseline),
-            "key_scale_sensitivity": key_scale,
-        }
-        if has_map:
-            phases = [
-                {
-                    "layer": layer.index,
-                    "query": _phase_stats(layer, projections[(layer.index, "query")]),
-                    "key": _phase_stats(layer, projections[(layer.index, "key")]),
-                }
-                for layer in layers
-                if layer.feature_map is not None
-            ]
-            result["phase"] = {
-                "metric": "|omega * z| over tokens, heads, frequencies, channels",
-                "layers": phases,
-                "regime": _regime(phases),
-            }
-        del baseline
-        max_positions = getattr(config, "max_position_embeddings", None)
-        result["evidence_contrast"] = evidence_contrast(model, layers, tokenizer, settings, max_positions, bar.update)
-        result["answer_contrast"] = probes.answer_value_contrast(
-            model,
-            layers,
-            tokenizer,
-            settings.context_lengths,
-            settings.needle_examples,
-            settings.seed,
-            max_positions,
-            bar.update,
-        )
-    finally:
-        bar.close()
-    return result
+    """``diagnose_model`` as the JSON-ready entry of ``analysis.json`` (no files written)."""
+    return diagnose_model(model, tokenizer, text, settings, progress=progress, label=label).to_dict()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -450,16 +269,16 @@ def analyze(
     results = []
     for path, label in zip(models, _unique_labels(models), strict=True):
         model, tokenizer = load_for_analysis(path, trust_remote_code=trust_remote_code, dtype=dtype, device=device)
-        result = analyze_model(model, tokenizer, text, settings, progress=progress, label=label)
+        result = diagnose_model(model, tokenizer, text, settings, progress=progress, label=label)
         del model
         local = Path(str(path))
-        result["path"] = str(local.resolve()) if local.exists() else str(path)
-        result["plots"] = plot_model(result, output / label, output)
+        result.extra["path"] = str(local.resolve()) if local.exists() else str(path)
+        result.extra["plots"] = plot_model(result, output / label, output)
         results.append(result)
     data = {
         "format": FORMAT,
         "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
-        "models": results,
+        "models": [result.to_dict() for result in results],
         "comparison_plots": plot_comparison(results, output) if len(results) > 1 else {},
     }
     atomic_write_json(output / "analysis.json", data)
@@ -470,6 +289,10 @@ __all__ = [
     "AnalysisSettings",
     "analyze",
     "analyze_model",
+    "diagnose_model",
+    "evidence_contrast",
+    "first_token_mass",
+    "forward_without_cache",
     "attention_layers",
     "load_for_analysis",
     "plot_comparison",

@@ -130,17 +130,20 @@ def token_mass_change(base: torch.Tensor, changed: torch.Tensor, token: int, *, 
 
 
 def log2_lift(rows: torch.Tensor, target: torch.Tensor, reference: torch.Tensor) -> PerHead:
-    """``log2`` of attention per ``target`` token over attention per ``reference`` token, per head.
+    """``log2`` of attention per ``target`` token over attention per ``reference`` token, per head: the one formula
+    of every contrast (``qkmap analyze``'s needle contrasts, the MQAR evidence contrast).
 
-    ``rows``: ``(heads, keys)`` attention of one query (or a mean of several); ``target``/``reference``: boolean
-    masks over keys. 0 means no preference; +1 means a target token gets twice a reference token's attention.
+    ``rows``: ``(heads, keys)`` attention of one query, or ``(heads, queries, keys)`` of several, whose per-row lifts
+    are averaged; ``target``/``reference``: boolean masks over keys. 0 means no preference; +1 means a target token
+    gets twice a reference token's attention.
     """
     if not target.any() or not reference.any():
         raise ValueError("log2_lift needs at least one target and one reference token.")
     rows = rows.double()
-    per_target = rows[:, target].sum(-1) / int(target.sum())
-    per_reference = rows[:, reference].sum(-1) / int(reference.sum())
-    lift = torch.log2(per_target.clamp_min(1e-300) / per_reference.clamp_min(1e-300))
+    rows = rows[:, None] if rows.dim() == 2 else rows
+    per_target = rows[..., target].sum(-1) / int(target.sum())
+    per_reference = rows[..., reference].sum(-1) / int(reference.sum())
+    lift = torch.log2(per_target.clamp_min(1e-300) / per_reference.clamp_min(1e-300)).mean(-1)
     return PerHead(lift.tolist(), float(lift.mean()))
 
 

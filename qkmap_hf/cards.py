@@ -23,9 +23,11 @@ from urllib.parse import quote
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .diagnostics import FirstTokenMass, PhaseStatistics, ScaleSensitivity
+from .diagnostics.base import read
+from .diagnostics.contrast import evidence_from_dict
 from .fileio import atomic_copy, atomic_write_text
 from .loading import is_repo_id
-from .phases import describe, regime_from_roles
 from .provenance import PROVENANCE_FILES, ProvenanceRecord, load_provenance
 from .safety import contained_path
 from .version import __version__
@@ -288,20 +290,20 @@ def _raw_settings(config: dict) -> list[tuple[str, str]]:
 
 
 def _phase_rows(model_entry: dict | None) -> tuple[list[dict[str, str]], str | None]:
-    phase = (model_entry or {}).get("phase")
-    if not phase:
+    phase = read(model_entry, PhaseStatistics)
+    if phase is None:
         return [], None
     rows = [
         {
-            "layer": markdown_text(layer["layer"]),
-            "query_median": f"{layer['query']['median']:.3g}",
-            "query_p90": f"{layer['query']['p90']:.3g}",
-            "key_median": f"{layer['key']['median']:.3g}",
-            "key_p90": f"{layer['key']['p90']:.3g}",
+            "layer": markdown_text(layer.layer),
+            "query_median": f"{layer.query.median:.3g}",
+            "query_p90": f"{layer.query.p90:.3g}",
+            "key_median": f"{layer.key.median:.3g}",
+            "key_p90": f"{layer.key.p90:.3g}",
         }
-        for layer in phase["layers"]
+        for layer in phase.layers
     ]
-    return rows, describe(regime_from_roles(phase["layers"]))  # re-derived: one definition (qkmap_hf.phases)
+    return rows, phase.regime  # re-derived from the quantiles: one definition (qkmap_hf.phases)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,9 +357,9 @@ def _import_analysis(analysis_dir: Path, model_dir: Path) -> tuple[dict, dict]:
 
 def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
     settings = analysis.get("settings", {})
-    scale = entry.get("scale_sensitivity", {})
-    first = entry.get("first_token_mass", {})
-    contrast = entry.get("evidence_contrast", {})
+    scale = read(entry, ScaleSensitivity)
+    first = read(entry, FirstTokenMass)
+    contrast = evidence_from_dict(entry["evidence_contrast"]) if entry.get("evidence_contrast") else None
     return {
         "label": code_text(entry.get("label")),
         "compared_with": [
@@ -369,17 +371,17 @@ def _analysis_context(analysis: dict, entry: dict) -> dict[str, Any]:
         ),
         "scale_summary": [
             {"scale": s, "value": f"{v:.4g}"}
-            for s, v in sorted((scale.get("mean") or {}).items(), key=lambda x: float(x[0]))
+            for s, v in sorted((scale.mean if scale else {}).items(), key=lambda x: float(x[0]))
         ],
-        "first_token_mass": f"{first.get('mean', float('nan')):.4f}",
-        "uniform_reference": f"{first.get('uniform_reference', float('nan')):.4f}",
+        "first_token_mass": f"{first.mean if first else float('nan'):.4f}",
+        "uniform_reference": f"{first.uniform_reference if first else float('nan'):.4f}",
         "contrast_summary": [
             {
-                "length": markdown_text(values.get("tokens_mean", length)),
-                "mean": f"{values['mean_log2_lift']:.3f}",
-                "best": f"{values['max_head_log2_lift']:.3f}",
+                "length": markdown_text(values.tokens_mean),
+                "mean": f"{values.mean_log2_lift:.3f}",
+                "best": f"{values.max_head_log2_lift:.3f}",
             }
-            for length, values in sorted((contrast.get("by_length") or {}).items(), key=lambda x: int(x[0]))
+            for _length, values in sorted((contrast.by_length if contrast else {}).items(), key=lambda x: int(x[0]))
         ],
         "plots": [
             {"title": markdown_text(title.replace("_", " ").capitalize()), "path": quote(path, safe="/")}

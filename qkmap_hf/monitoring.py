@@ -172,6 +172,7 @@ def _register_monitor_attention(recorded: dict[int, dict[str, float]]) -> None:
 def probe(model: nn.Module, input_ids: torch.Tensor) -> ProbeRecord:
     """One forward pass of ``model`` on ``input_ids`` with every attention layer measured (the model is left as it
     was: training mode and attention implementation restored)."""
+    from .diagnostics.phases import from_recorder
     from .phases import PhaseRecorder
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -185,14 +186,14 @@ def probe(model: nn.Module, input_ids: torch.Tensor) -> ProbeRecord:
         device = next(base.parameters()).device
         with PhaseRecorder(base) as phases:
             output = base(input_ids=input_ids.to(device), use_cache=False)
-        phase_summary = phases.summary()
+        phase = from_recorder(phases)
     finally:
         config._attn_implementation = previous
         base.train(was_training)
     layers = [recorded[i] for i in sorted(recorded)]
-    if phase_summary is not None:
-        for layer, entry in zip(layers, phase_summary["layers"], strict=False):
-            layer["key_phase_p90"] = entry["key"]["p90"]
+    if phase is not None:
+        for layer, entry in zip(layers, phase.layers, strict=False):
+            layer["key_phase_p90"] = entry.key.p90
     log_partition = output.logits.float().logsumexp(dim=-1)
     return ProbeRecord(
         layers, {"log_partition_mean": float(log_partition.mean()), "log_partition_max": float(log_partition.max())}

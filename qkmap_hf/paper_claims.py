@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .diagnostics import ModelDiagnostics
 from .fileio import atomic_write_json, atomic_write_text
 from .training.sweep import format_interval, paired_interval
 
@@ -38,55 +39,54 @@ VERDICT_RULE = (
 
 @dataclass(frozen=True)
 class Metric:
-    """One number per model, where it comes from in a diagnostics JSON, and which direction the paper claims."""
+    """One number per model, read from its typed diagnostics, and which direction the paper claims."""
 
     name: str
     label: str
-    extract: Callable[[dict], float | None]
+    extract: Callable[[ModelDiagnostics], float | None]
     claimed_sign: int  # -1: the paper claims qk_map is lower; +1: higher; 0: reported, not judged
     baselines: tuple[str, ...] = BASELINES
 
 
-def _contrast(kind: str, length: int) -> Callable[[dict], float | None]:
-    def get(d: dict) -> float | None:
-        entry = d[kind]["by_length"].get(str(length))
-        return entry["mean_log2_lift"] if entry else None
+def _contrast(kind: str, length: int) -> Callable[[ModelDiagnostics], float | None]:
+    def get(d: ModelDiagnostics) -> float | None:
+        measured = getattr(d, kind)
+        entry = measured.at(length) if measured is not None else None
+        return entry.mean_log2_lift if entry else None
 
     return get
 
 
 CLAIMS: dict[str, list[Metric]] = {
     "1. lower training and validation loss": [
-        Metric("val_loss", "report-split validation loss", lambda d: d["val_loss"], -1),
-        Metric("train_loss", "train loss, last 20 % of steps", lambda d: d["train_loss"], -1),
+        Metric("val_loss", "report-split validation loss", lambda d: d.extra.get("val_loss"), -1),
+        Metric("train_loss", "train loss, last 20 % of steps", lambda d: d.extra.get("train_loss"), -1),
     ],
     "2. preserves sensitivity to input scale (token-specific)": [
         Metric(
             "key_scale_abs",
             "|attention mass change| of a token whose key is scaled x2",
-            lambda d: d["key_scale_sensitivity"]["mean_abs_change"],
+            lambda d: d.key_scale_sensitivity.mean_abs_change,
             +1,
             ("qk_norm",),
         ),
         Metric(
             "key_scale_gain",
             "signed attention mass gained by that token",
-            lambda d: d["key_scale_sensitivity"]["mean_gain"],
+            lambda d: d.key_scale_sensitivity.mean_gain,
             0,
         ),
         Metric(
             "temperature_x2",
             "TV change when all q/k inputs are scaled x2 (temperature test)",
-            lambda d: d["scale_sensitivity"]["mean"]["2"],
+            lambda d: d.scale_sensitivity.mean["2"],
             0,
         ),
     ],
     "3. less attention on the first token": [
-        Metric("first_token_mass", "attention mass on token 0", lambda d: d["first_token_mass"]["mean"], -1),
-        Metric("attention_distance", "mean attention distance (tokens)", lambda d: d["attention_distance"]["mean"], 0),
-        Metric(
-            "position_share", "position-only share of logit variance", lambda d: d["position_only_share"]["mean"], 0
-        ),
+        Metric("first_token_mass", "attention mass on token 0", lambda d: d.first_token_mass.mean, -1),
+        Metric("attention_distance", "mean attention distance (tokens)", lambda d: d.attention_distance.mean, 0),
+        Metric("position_share", "position-only share of logit variance", lambda d: d.position_only_share.mean, 0),
     ],
     "4. stronger attention contrast on relevant evidence": [
         *(
@@ -134,14 +134,14 @@ def _init_model(folder: Path, seed: int):
     return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
-def diagnose(sweep_dir: Path, progress: bool = True) -> dict[str, dict]:
+def diagnose(sweep_dir: Path, progress: bool = True) -> dict[str, ModelDiagnostics]:
     """``{"ARM/seedS" or "ARM/init": diagnostics}`` for every saved model; each one computed once, then read back."""
     from .analysis import analyze_model, load_for_analysis
 
     summary = json.loads((sweep_dir / "summary.json").read_text())
     out = sweep_dir / "diagnostics"
     out.mkdir(exist_ok=True)
-    results: dict[str, dict] = {}
+    results: dict[str, ModelDiagnostics] = {}
     for arm, entry in summary["arms"].items():
         seeds = sorted(entry["report_losses"], key=int)
         jobs = [(f"seed{s}", sweep_dir / "models" / arm / f"seed{s}", False) for s in seeds]
@@ -159,7 +159,7 @@ def diagnose(sweep_dir: Path, progress: bool = True) -> dict[str, dict]:
                     data["val_loss"] = entry["report_losses"][seed]
                     data["train_loss"] = entry["report_train_losses"].get(seed)
                 atomic_write_json(path, data)
-            results[f"{arm}/{name}"] = json.loads(path.read_text())
+            results[f"{arm}/{name}"] = ModelDiagnostics.from_dict(json.loads(path.read_text()))
     return results
 
 
@@ -168,7 +168,7 @@ def diagnose(sweep_dir: Path, progress: bool = True) -> dict[str, dict]:
 # --------------------------------------------------------------------------------------------------
 
 
-def metric_table(results: dict[str, dict], metric: Metric, arms: list[str]) -> dict[str, dict]:
+def metric_table(results: dict[str, ModelDiagnostics], metric: Metric, arms: list[str]) -> dict[str, dict]:
     """Per arm: values per report seed, their mean, and paired differences against each baseline."""
     values: dict[str, dict[str, float]] = {}
     for key, data in results.items():
@@ -210,7 +210,9 @@ def _cell(entry: dict | None) -> str:
     return format_interval(entry, spec=".4g", single="")
 
 
-def claims_markdown(tables: dict[str, dict[str, dict]], verdicts: dict[str, str], at_init: dict[str, dict]) -> str:
+def claims_markdown(
+    tables: dict[str, dict[str, dict]], verdicts: dict[str, str], at_init: dict[str, ModelDiagnostics]
+) -> str:
     lines = []
     for claim, metrics in CLAIMS.items():
         lines += [f"### Claim {claim}", ""]
@@ -237,8 +239,8 @@ def claims_markdown(tables: dict[str, dict[str, dict]], verdicts: dict[str, str]
     ]
     for arm, data in at_init.items():
         lines.append(
-            f"| {arm} | {data['first_token_mass']['mean']:.4g} | {data['attention_distance']['mean']:.4g} "
-            f"| {data['position_only_share']['mean']:.4g} | {data['key_scale_sensitivity']['mean_abs_change']:.4g} |"
+            f"| {arm} | {data.first_token_mass.mean:.4g} | {data.attention_distance.mean:.4g} "
+            f"| {data.position_only_share.mean:.4g} | {data.key_scale_sensitivity.mean_abs_change:.4g} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -262,7 +264,9 @@ def _layer_mean(rows: list[list[float]]) -> list[float]:
     return [statistics.fmean(column) for column in zip(*rows, strict=True)]
 
 
-def plot_claims(results: dict[str, dict], tables: dict[str, dict], arms: list[str], folder: Path) -> list[Path]:
+def plot_claims(
+    results: dict[str, ModelDiagnostics], tables: dict[str, dict], arms: list[str], folder: Path
+) -> list[Path]:
     """Final validation loss per arm (seeds as dots), attention distance distribution, first-token mass per layer."""
     paths = []
     figure, axis = _figure()
@@ -290,9 +294,9 @@ def plot_claims(results: dict[str, dict], tables: dict[str, dict], arms: list[st
             ]
             if not runs:
                 continue
-            per_model = [_layer_mean(r["attention_distance"]["bucket_mass"]) for r in runs]
+            per_model = [_layer_mean(r.attention_distance.bucket_mass) for r in runs]
             buckets = [statistics.fmean(m[i] for m in per_model) for i in range(len(per_model[0]))]
-            edges = runs[0]["attention_distance"]["bucket_edges"]
+            edges = runs[0].attention_distance.bucket_edges
             axis.plot(
                 range(len(buckets)),
                 buckets,
@@ -319,8 +323,8 @@ def plot_claims(results: dict[str, dict], tables: dict[str, dict], arms: list[st
     for n, arm in enumerate(arms):
         runs = [d for k, d in results.items() if k.split("/")[0] == arm and k.split("/")[1].startswith("seed")]
         if runs:
-            layers = len(runs[0]["first_token_mass"]["layer_mean"])
-            means = [statistics.fmean(r["first_token_mass"]["layer_mean"][i] for r in runs) for i in range(layers)]
+            layers = len(runs[0].first_token_mass.layer_mean)
+            means = [statistics.fmean(r.first_token_mass.layer_mean[i] for r in runs) for i in range(layers)]
             axis.plot(range(layers), means, marker="o", label=arm, color=f"C{n % 10}")
     axis.set_xlabel("layer")
     axis.set_ylabel("attention mass on token 0")

@@ -5,7 +5,8 @@ in the query region, which predicts the value):
 
 - **evidence contrast** (claim 4): ``log2`` of the attention per token of the asked pair (its key and value in the
   context) over the attention per token of the distractor pairs, per layer and head (``attention_measures.log2_lift``,
-  the measure of ``qkmap analyze``'s needle contrasts); the mean over heads and the best head per layer;
+  the one formula, which ``qkmap analyze``'s needle contrasts in ``diagnostics.contrast`` use too); the mean over
+  heads and the best head per layer;
 - **evidence key scale** (claim 2): the asked key's ``k_proj`` output, at its context position only, scaled by
   each factor; reported are the attention mass the query puts on that key (mean over heads) before and after, and
   the share of answers that change and the accuracy after. QK-Norm divides a key's scale out; standard attention
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from .attention_measures import log2_lift
-from .attention_probes import attention_layers, attention_weights, use_eager_attention
+from .diagnostics.hooks import attention_layers, attention_weights, use_eager_attention
 from .training.synthetic import MQARTask, TaskDataset
 
 DEFAULT_KEY_SCALES = (0.5, 2.0)

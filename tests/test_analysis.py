@@ -80,6 +80,16 @@ def test_json_has_three_analyses_per_model(analysis):
     assert analysis["by_mode"]["standard"]["phase"] is None and analysis["by_mode"]["qk_norm"]["phase"] is None
 
 
+def test_every_entry_reads_back_as_typed_results(analysis):
+    """The readers (card, claim tables, summary line, plots) go through ModelDiagnostics: nothing is lost on the way."""
+    from qkmap_hf.diagnostics import ModelDiagnostics
+
+    for model in analysis["data"]["models"]:
+        typed = ModelDiagnostics.from_dict(model)
+        assert typed.to_dict() == model and list(typed.to_dict()) == list(model)
+        assert (typed.phase is None) == (model["qk_mode"] != "qk_map")
+
+
 def test_qk_norm_is_scale_invariant_and_qk_map_is_not(analysis):
     by_mode = analysis["by_mode"]
     for scale in SCALES:
@@ -161,8 +171,8 @@ def test_evidence_contrast_cuts_a_long_prompt_from_the_start_so_the_question_sta
     """A prompt over the model's length loses distractors at its start; cut at its end it would lose question tokens."""
     import math
 
-    from qkmap_hf import analysis as analysis_module
     from qkmap_hf.analysis import attention_layers, evidence_contrast
+    from qkmap_hf.diagnostics import contrast as contrast_module
     from qkmap_hf.training.data import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()
@@ -174,15 +184,15 @@ def test_evidence_contrast_cuts_a_long_prompt_from_the_start_so_the_question_sta
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     prompts: list[list[int]] = []
-    forward = analysis_module.forward_without_cache
+    forward = contrast_module.forward_without_cache
     monkeypatch.setattr(
-        analysis_module, "forward_without_cache", lambda m, ids: (prompts.append(ids[0].tolist()), forward(m, ids))[1]
+        contrast_module, "forward_without_cache", lambda m, ids: (prompts.append(ids[0].tolist()), forward(m, ids))[1]
     )
     settings = AnalysisSettings(max_tokens=64, num_windows=1, context_lengths=(200,), needle_examples=2, scales=(2.0,))
     layers = attention_layers(model)
     evidence_contrast(model, layers, tokenizer, settings, None, lambda n: None)
     full, prompts[:] = list(prompts), []
-    assert all(len(p) > 200 for p in full)  # the prompt template adds tokens to the requested length
+    assert len(full) == 2 and all(len(p) > 200 for p in full)  # the prompt template adds tokens to the requested length
     cut = evidence_contrast(model, layers, tokenizer, settings, 200, lambda n: None)["by_length"]["200"]
     assert [len(p) for p in prompts] == [200, 200]
     assert all(short == long[-200:] for short, long in zip(prompts, full, strict=True))  # the end, question included

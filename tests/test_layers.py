@@ -120,6 +120,11 @@ def test_no_import_cycle():
         ("qkmap_hf.surgery", ["qkmap_hf.conversion", "qkmap_hf.training", "qkmap_hf.verify", "qkmap_hf.cards"]),
         ("qkmap_hf.assets", ["qkmap_hf.conversion", "qkmap_hf.training"]),
         ("qkmap_hf.verify", ["qkmap_hf.conversion", "qkmap_hf.packaging", "qkmap_hf.cards"]),
+        (
+            "qkmap_hf.diagnostics",
+            ["qkmap_hf.analysis", "qkmap_hf.attention_probes", "qkmap_hf.tasks", "qkmap_hf.training", "qkmap_hf.cards"],
+        ),
+        ("qkmap_hf.monitoring", ["qkmap_hf.analysis", "qkmap_hf.training", "qkmap_hf.tasks"]),
     ],
 )
 def test_a_layer_does_not_reach_the_layers_above_it(layer, never):
@@ -155,6 +160,12 @@ def _definers(name: str) -> list[str]:
         ("atomic_directory", "qkmap_hf.fileio"),
         ("check_destination", "qkmap_hf.safety"),
         ("find_pickles", "qkmap_hf.safety"),
+        ("log2_lift", "qkmap_hf.attention_measures"),
+        ("prompt_contrast", "qkmap_hf.diagnostics.contrast"),
+        ("PhaseRecorder", "qkmap_hf.phases"),
+        ("PhaseStatistics", "qkmap_hf.diagnostics.phases"),
+        ("ModelDiagnostics", "qkmap_hf.diagnostics"),
+        ("AttentionLayer", "qkmap_hf.diagnostics.hooks"),
     ],
 )
 def test_each_concept_is_defined_once_in_its_owner(name, owner):

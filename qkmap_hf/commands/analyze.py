@@ -121,26 +121,27 @@ def run_task(args: argparse.Namespace) -> int:
 
 
 def summary_line(entry: dict) -> str:
-    """One line per model: every measure's headline number, as analysis.json holds it."""
-    parts = [f"{entry['label']} ({entry.get('qk_mode') or entry.get('model_type')}):"]
-    scale = ", ".join(f"x{s}: {v:.3g}" for s, v in entry["scale_sensitivity"]["mean"].items())
+    """One line per model: every measure's headline number, as analysis.json holds it (read through its typed
+    results, ``qkmap_hf.diagnostics.ModelDiagnostics``)."""
+    from ..diagnostics import ModelDiagnostics
+
+    result = ModelDiagnostics.from_dict(entry)
+    parts = [f"{result.label} ({result.qk_mode or result.model_type}):"]
+    scale = ", ".join(f"x{s}: {v:.3g}" for s, v in result.scale_sensitivity.mean.items())
     parts.append(f"scale sensitivity {scale};")
-    parts.append(f"first-token mass {entry['first_token_mass']['mean']:.4f};")
-    if entry.get("attention_distance"):
-        parts.append(f"attention distance {entry['attention_distance']['mean']:.1f} tok;")
-    if entry.get("position_only_share"):
-        parts.append(f"position-only logit share {entry['position_only_share']['mean']:.3f};")
-    if entry.get("key_scale_sensitivity"):
-        key = entry["key_scale_sensitivity"]
-        parts.append(f"key x{key['factor']:g} gain {key['mean_gain']:+.4f};")
-    contrast = ", ".join(
-        f"{v['tokens_mean']} tok: {v['mean_log2_lift']:+.3f}" for v in entry["evidence_contrast"]["by_length"].values()
-    )
-    parts.append(f"evidence log2 lift {contrast};")
-    answer = (entry.get("answer_contrast") or {}).get("by_length") or {}
-    if answer:
-        lifts = ", ".join(f"{v['tokens_mean']} tok: {v['mean_log2_lift']:+.3f}" for v in answer.values())
-        parts.append(f"answer log2 lift {lifts};")
-    if entry.get("phase"):
-        parts.append(f"phase regime: {entry['phase']['regime']}")
+    parts.append(f"first-token mass {result.first_token_mass.mean:.4f};")
+    if result.attention_distance:
+        parts.append(f"attention distance {result.attention_distance.mean:.1f} tok;")
+    if result.position_only_share:
+        parts.append(f"position-only logit share {result.position_only_share.mean:.3f};")
+    if result.key_scale_sensitivity:
+        key = result.key_scale_sensitivity
+        parts.append(f"key x{key.factor:g} gain {key.mean_gain:+.4f};")
+    for name, measured in (("evidence", result.evidence_contrast), ("answer", result.answer_contrast)):
+        by_length = measured.by_length if measured else {}
+        if by_length or name == "evidence":
+            lifts = ", ".join(f"{v.tokens_mean} tok: {v.mean_log2_lift:+.3f}" for v in by_length.values())
+            parts.append(f"{name} log2 lift {lifts};")
+    if result.phase:
+        parts.append(f"phase regime: {result.phase.regime}")
     return " ".join(parts).rstrip(";")
