@@ -32,7 +32,7 @@ from typing import Any
 from .fileio import atomic_write_json, atomic_write_text
 from .filenames import PROVENANCE_FILES
 from .monitoring import monitor_series
-from .training.sweep import DIVERGED_FILE, format_interval, paired_interval
+from .training.sweep import DIVERGED_FILE, forget_diverged, format_interval, paired_interval
 
 BASELINES = ("standard", "qk_norm")
 LEARNING_RATE = "learning_rate"
@@ -335,7 +335,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, help="where the report goes (default: SWEEP_DIR/report)")
     parser.add_argument("--grid", help="the learning rates of the sweep, comma-separated (default: those found)")
     parser.add_argument("--archive", type=Path, help="also copy the sweep's records (no weights) into this folder")
+    parser.add_argument(
+        "--forget-diverged",
+        action="store_true",
+        help="remove the runs recorded as diverged (records and folders) so that resuming the sweep makes them again "
+        "under the current divergence rule; writes no report",
+    )
     args = parser.parse_args(argv)
+    if args.forget_diverged:
+        for folder in sweep_folders(args.sweep_dir):
+            for key in forget_diverged(folder):
+                print(f"{folder}: forgot {key}")
+        return 0
     grid = [float(v) for v in args.grid.split(",")] if args.grid else None
     if args.archive:
         print(f"archived {len(archive(args.sweep_dir, args.archive))} files into {args.archive}")

@@ -352,3 +352,18 @@ def test_a_diverging_run_is_recorded_with_l0_and_the_sweep_and_report_still_buil
 
     assert archive(out, tmp_path / "kept") and not list((tmp_path / "kept").rglob("*.safetensors"))
     assert build_report(tmp_path / "kept", tmp_path / "kept-report") == report
+
+    # Forgetting the diverged runs (after a change of the divergence rule) makes a resumed sweep run them, and only
+    # them, again.
+    from qkmap_hf.training.sweep import forget_diverged
+
+    timing = json.loads((out / "timing.json").read_text())
+    assert forget_diverged(out) == ["standard/tune/learning_rate=1000/7"]
+    assert json.loads((out / "diverged.json").read_text()) == {}
+    assert not (out / "runs" / "tune" / "standard-learning_rate=1000-seed7").exists()
+    with (out / "sweep_losses.csv").open() as handle:
+        assert not [r for r in csv.DictReader(handle) if r["setting"] == "learning_rate=1000"]
+    run_sweep(SweepOptions(options, TuningOptions(tune=["learning_rate=3e-3,1e3"], tuning_first_seed=7)))
+    again = json.loads((out / "timing.json").read_text())
+    assert list(json.loads((out / "diverged.json").read_text())) == ["standard/tune/learning_rate=1000/7"]
+    assert {k: v for k, v in again.items() if "1000/" not in k} == {k: v for k, v in timing.items() if "1000/" not in k}

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import json
 import math
+import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -231,6 +232,41 @@ def _write(path: Path, rows: list[dict]) -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
+def run_folder(out: Path, arm: str, phase: str, setting: str, seed: int, save_models: bool = False) -> Path:
+    """Where a sweep keeps one run: ``runs/tune/ARM-SETTING-seedS``, ``runs/report/ARM/seedS`` (or ``models/...``)."""
+    if phase == "tune":
+        return out / "runs" / "tune" / f"{arm}-{setting}-seed{seed}"
+    return out / ("models" if save_models else "runs/report") / arm / f"seed{seed}"
+
+
+def forget_diverged(out: Path) -> list[str]:
+    """Remove every run recorded as diverged from a sweep folder (its rows, timing, record and run folder), so that
+    resuming the sweep makes it again: how runs stopped by an earlier divergence rule are judged by the current one.
+    Returns the keys (``ARM/PHASE/SETTING/SEED``) forgotten."""
+    diverged_path = out / DIVERGED_FILE
+    diverged = json.loads(diverged_path.read_text()) if diverged_path.exists() else {}
+    if not diverged:
+        return []
+    runs = set()
+    for key in diverged:
+        arm, phase, setting, seed = key.rsplit("/", 3)
+        runs.add((arm, phase, setting, int(seed)))
+        for folder in (run_folder(out, arm, phase, setting, int(seed), save) for save in (False, True)):
+            if folder.is_dir():
+                shutil.rmtree(folder)
+    _write(out / "sweep_losses.csv", [r for r in _read(out / "sweep_losses.csv") if _run_of(r) not in runs])
+    timing_path = out / "timing.json"
+    if timing_path.exists():
+        timing = json.loads(timing_path.read_text())
+        atomic_write_json(timing_path, {k: v for k, v in timing.items() if k not in diverged})
+    atomic_write_json(diverged_path, {})
+    return sorted(diverged)
+
+
+def _run_of(row: dict) -> tuple[str, str, str, int]:
+    return row["arm"], row["phase"], row["setting"], row["seed"]
+
+
 def _history_rows(arm: str, phase: str, setting: str, seed: int, history: list[dict]) -> list[dict]:
     rows = []
     for entry in history:
@@ -327,7 +363,7 @@ def run_sweep(sweep: SweepOptions) -> dict:
         points, _ = grids[variant.label]
         for point in points if len(points) > 1 else []:
             for seed in sweep.tuning_seeds:
-                folder = out / "runs" / "tune" / f"{variant.label}-{setting_id(point)}-seed{seed}"
+                folder = run_folder(out, variant.label, "tune", setting_id(point), seed)
                 run(
                     apply_point(variant, point),
                     "tune",
@@ -352,7 +388,7 @@ def run_sweep(sweep: SweepOptions) -> dict:
     for seed in sweep.report_seeds:  # 2. report: each arm's choice on fresh seeds and the report split
         for variant in options.variants:
             point = choices[variant.label]
-            folder = out / ("models" if sweep.save_models else "runs/report") / variant.label / f"seed{seed}"
+            folder = run_folder(out, variant.label, "report", setting_id(point), seed, sweep.save_models)
             run(
                 apply_point(variant, point),
                 "report",
