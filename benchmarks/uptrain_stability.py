@@ -101,6 +101,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--markdown", action="store_true", help="print the tables of the runs in --output-dir; train nothing"
     )
+    p.add_argument(
+        "--summarize",
+        action="store_true",
+        help="rewrite the csv, summary.json and plot from the finished runs of the grid these flags name (runs made "
+        "by several processes with --arms/--seeds subsets), print the tables; train nothing",
+    )
     return p
 
 
@@ -410,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     out = Path(args.output_dir)
+    if args.summarize:
+        stage1_path = out / "stage1.json"
+        summary = write_outputs(out, args, json.loads(stage1_path.read_text()) if stage1_path.exists() else None)
+        print(markdown(summary))
+        return 0
     if args.markdown:  # the grid of the run in OUT (its summary.json), whatever the flags say
         if (out / "summary.json").exists():
             settings = json.loads((out / "summary.json").read_text())["settings"]

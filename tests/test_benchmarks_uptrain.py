@@ -94,6 +94,14 @@ def test_sweep_records_real_numbers_resumes_and_records_a_diverged_run_at_l0(sou
     table = capsys.readouterr().out
     assert f"| exact | 0.001 | {exact['mean_perplexity']:.2f} (" in table and "| 1/1 |" in table
 
+    # Runs made by processes with subsets of the grid: --summarize writes the summary of the grid its flags name.
+    subset = argv[: argv.index("--arms")] + ["--arms", "llama"] + argv[argv.index("--arms") + 3 :]
+    assert uptrain_stability.main([*subset, "--summarize"]) == 0
+    assert {c["arm"] for c in json.loads((out / "summary.json").read_text())["cells"]} == {"llama"}
+    assert uptrain_stability.main([*argv, "--summarize"]) == 0
+    assert json.loads((out / "summary.json").read_text())["cells"] == summary["cells"]
+    assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/result.json")} == before  # nothing trained
+
 
 @pytest.mark.slow  # two tiny heals, like tests/test_heal.py's
 def test_stage_one_heals_sham_heals_and_splits_the_cost(source, tmp_path, capsys):
