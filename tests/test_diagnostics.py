@@ -144,3 +144,21 @@ def test_typed_results_read_back_what_they_wrote():
     assert headlines["first_token_mass"].value == entry["first_token_mass"]["mean"]
     assert headlines["scale_sensitivity"].value == entry["scale_sensitivity"]["mean"]["0.5"]
     assert result.phase is not None and result.phase.regime == entry["phase"]["regime"]
+
+
+def test_one_regime_rule_for_analyze_and_verify():
+    """The regime follows the pooled p90 (verify's and heal's rule) where a recorder measured it, and the label a
+    file states where it is read back; the per-role maximum (which would say periodic here) is only the fallback."""
+    from qkmap_hf.diagnostics.phases import PhaseStatistics
+    from qkmap_hf.phases import describe, regime
+
+    role = {"median": 0.5, "mean": 0.5, "max": 2.0}
+    layer = {"layer": 0, "query": {**role, "p90": 1.2}, "key": {**role, "p90": 0.9}, "phase_p90": 0.95}
+    summary = {"layers": [layer], "phase_p90": [0.95], "regime": regime([0.95])}  # as PhaseRecorder.summary() says
+    measured = PhaseStatistics.from_dict(summary)
+    assert measured.regime_label == summary["regime"] == "transitional"
+    written = measured.to_dict()
+    assert "phase_p90" not in written["layers"][0] and written["regime"] == describe("transitional")
+    assert PhaseStatistics.from_dict(written).regime_label == "transitional"  # read back: the label it states
+    legacy = {"layers": [{k: v for k, v in layer.items() if k != "phase_p90"}]}
+    assert PhaseStatistics.from_dict(legacy).regime_label == "periodic"  # no pooled value, no label: the roles' rule

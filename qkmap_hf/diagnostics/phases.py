@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..phases import MAX_SAMPLES, PhaseRecorder, describe, regime_from_roles
+from ..phases import MAX_SAMPLES, PhaseRecorder, describe, regime, regime_from_roles
 from .base import Headline
 
 METRIC = "|omega * z| over tokens, heads, frequencies, channels"
@@ -40,18 +40,21 @@ class Quantiles:
 
 @dataclass(frozen=True)
 class LayerPhases:
-    """One QK-MAP layer's phases, per role."""
+    """One QK-MAP layer's phases, per role; ``pooled_p90`` (query and key phases pooled, the regime's rule) where
+    the reading comes from a recorder (``analysis.json`` keeps the roles only)."""
 
     layer: int
     query: Quantiles
     key: Quantiles
+    pooled_p90: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "query": self.query.to_dict(), "key": self.key.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerPhases:
-        return cls(data["layer"], Quantiles.from_dict(data["query"]), Quantiles.from_dict(data["key"]))
+        query, key = Quantiles.from_dict(data["query"]), Quantiles.from_dict(data["key"])
+        return cls(data["layer"], query, key, data.get("phase_p90"))
 
 
 @dataclass
@@ -61,11 +64,17 @@ class PhaseStatistics:
     KEY: ClassVar[str] = "phase"
     layers: list[LayerPhases]
     metric: str = METRIC
+    recorded_regime: str | None = None  # the label a file states (older analysis.json files: the roles' rule)
 
     @property
     def regime_label(self) -> str:
-        """``linear``, ``transitional`` or ``periodic`` from the per-role p90s (``phases.regime_from_roles``)."""
-        return regime_from_roles([layer.to_dict() for layer in self.layers])
+        """``linear``, ``transitional`` or ``periodic``: ``phases.regime`` of the pooled p90s, the rule ``qkmap
+        verify`` and ``qkmap heal`` use; read back from a file, the label it states; per-role p90s only as the last
+        resort (``phases.regime_from_roles``: the larger role p90 stands in for the pooled one)."""
+        pooled = [layer.pooled_p90 for layer in self.layers]
+        if all(p90 is not None for p90 in pooled):
+            return regime(pooled)
+        return self.recorded_regime or regime_from_roles([layer.to_dict() for layer in self.layers])
 
     @property
     def regime(self) -> str:
@@ -81,7 +90,10 @@ class PhaseStatistics:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PhaseStatistics:
         """Reads ``analysis.json``'s ``phase`` entry and a ``PhaseRecorder.summary()`` (verify's ``phase``) alike."""
-        return cls([LayerPhases.from_dict(layer) for layer in data["layers"]], METRIC)
+        described = {describe(label): label for label in ("linear", "transitional", "periodic")}
+        stated = data.get("regime")
+        recorded = stated if stated in described.values() else described.get(stated)
+        return cls([LayerPhases.from_dict(layer) for layer in data["layers"]], METRIC, recorded)
 
     def plot(self, path: Path, label: str) -> Path:
         from .plots import lines
