@@ -99,6 +99,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heal-save-steps", type=int, default=50)
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument(
+        "--no-divergence-stop",
+        action="store_true",
+        help="train every run for all its steps and report its final held-out loss, above its start or not: a model "
+        "already trained on this text (healed, sham-healed) is worse after its first steps at a higher rate, which the "
+        "guard's 'held-out loss above L0 twice' calls a divergence in a run this short",
+    )
+    p.add_argument(
         "--markdown", action="store_true", help="print the tables of the runs in --output-dir; train nothing"
     )
     p.add_argument(
@@ -240,7 +247,7 @@ def run_one(args: argparse.Namespace, arm: str, model: str, learning_rate: float
         eval_batch_size=8, learning_rate=learning_rate, qkmap_learning_rate=args.qkmap_learning_rate, seed=seed,
         max_steps=args.steps, eval_steps=args.eval_steps, logging_steps=args.logging_steps, save_steps=0,
         warmup=0.05, weight_decay=0.0, max_eval_blocks=args.max_eval_blocks, disable_tqdm=True,
-        monitor_steps=args.monitor_steps, stop_on_divergence=True,
+        monitor_steps=args.monitor_steps, stop_on_divergence=not args.no_divergence_stop,
     )  # fmt: skip
     result = train(options, datasets=datasets, tokenizer=tokenizer, save=False)
     rows = history_rows(arm, learning_rate, seed, result.log_history)
