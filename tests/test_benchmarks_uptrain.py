@@ -103,6 +103,15 @@ def test_sweep_records_real_numbers_resumes_and_records_a_diverged_run_at_l0(sou
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/result.json")} == before  # nothing trained
 
 
+def test_no_divergence_stop_trains_every_step(source, tmp_path):
+    out = tmp_path / "through"
+    argv = _argv(source, out, "--arms", "llama", "--learning-rates", "1e-2", "--seeds", "1", "--steps", "6")
+    assert uptrain_stability.main([*argv, "--no-divergence-stop"]) == 0
+    result = json.loads((out / "runs" / uptrain_stability.run_id("llama", 1e-2, 1) / "result.json").read_text())
+    assert result["diverged"] is None and result["rows"][-1]["step"] == 6 and "note" not in result["rows"][-1]
+    assert result["final_loss"] == result["rows"][-1]["held_out_loss"]  # the run's own last evaluation, not L0
+
+
 @pytest.mark.slow  # two tiny heals, like tests/test_heal.py's
 def test_stage_one_heals_sham_heals_and_splits_the_cost(source, tmp_path, capsys):
     out = tmp_path / "split"
