@@ -423,10 +423,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     out = Path(args.output_dir)
-    if args.summarize:
-        stage1_path = out / "stage1.json"
-        summary = write_outputs(out, args, json.loads(stage1_path.read_text()) if stage1_path.exists() else None)
-        print(markdown(summary))
+    if args.summarize:  # stage 1's record for every arm the flags name, read from its finished folders
+        stage = out / "stage1"
+        needed = [stage / arm / HEAL_PROVENANCE for arm in HEAL_ALPHAS if arm in args.arms]
+        needed += [stage / "llama_control" / "result.json"] if needed else []
+        needed += [stage / "converted-exact" / "config.json"] if set(args.arms) - {"llama"} else []
+        missing = [str(path) for path in needed if not path.exists()]
+        if missing:
+            raise SystemExit(f"--summarize: stage 1 is not finished ({', '.join(missing)}); run without --summarize")
+        source = Path(args.source) if args.source else smollm2_hf_dir()
+        files = list(args.data) if args.data else shakespeare_files()
+        stage1 = stage_one(args, out, source, files, datasets=None, tokenizer=None)  # reads records, trains nothing
+        print(markdown(write_outputs(out, args, stage1)))
         return 0
     if args.markdown:  # the grid of the run in OUT (its summary.json), whatever the flags say
         if (out / "summary.json").exists():
