@@ -126,7 +126,7 @@ class KeyTemperature(QueryKeyConstruction):
 
     @classmethod
     def statistics(cls, attention: nn.Module, scaling: float) -> dict[str, float]:
-        return {"key_temperature_max": float(attention.key_temperature.log_scale.exp().max())}
+        return {"key_temperature_max": float(attention.key_temperature.log_scale.detach().exp().max())}
 
 
 def test_a_new_construction_is_a_class_and_a_registry_line(monkeypatch):
