@@ -199,7 +199,8 @@ class QKMapFeatures(QueryKeyConstruction):
     @classmethod
     def parameter_group(cls, config: Any, module_name: str, parameter_name: str) -> str | None:
         if parameter_name.endswith("_gain"):
-            return GAIN_TREATMENTS[getattr(config, "qkmap_gain_treatment", "learned")].parameter_group
+            treatment = GAIN_TREATMENTS[getattr(config, "qkmap_gain_treatment", "learned")]
+            return "decay" if treatment.trained_like_weights else QUERY_KEY_GROUP
         return QUERY_KEY_GROUP
 
     @classmethod

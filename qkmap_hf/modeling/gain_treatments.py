@@ -4,7 +4,8 @@
 
 Each treatment is a small class; ``GAIN_TREATMENTS`` is its registry, keyed by the config value. The feature map
 (``construction_qkmap.QKMapFeatureMap``) asks its treatment whether the gains train, which optimizer group they
-join, and what gain the features see. Copied into checkpoints: torch and transformers only.
+join, and what gain the features see. Copied into checkpoints: torch and transformers only. It imports torch alone,
+because ``configuration_qkmap.py`` reads its keys and a config must not pull in the modeling code.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-
-from .query_key import QUERY_KEY_GROUP
 
 # Added to the mean square of a gain row before it is normalized: keeps an all-zero row at zero instead of NaN, and
 # is far below the unit RMS the native init starts from.
@@ -25,7 +24,7 @@ class GainTreatment:
 
     name: ClassVar[str] = "learned"
     trainable: ClassVar[bool] = True
-    parameter_group: ClassVar[str | None] = QUERY_KEY_GROUP
+    trained_like_weights: ClassVar[bool] = False  # True: the weight matrices' group (base rate, weight decay)
     native_init_only: ClassVar[bool] = False
 
     @staticmethod
@@ -45,7 +44,7 @@ class DecayedGains(GainTreatment):
     """``decayed``: trained like a weight matrix (base learning rate, weight decay), which pulls the bound down."""
 
     name = "decayed"
-    parameter_group = "decay"
+    trained_like_weights = True
 
 
 class NormalizedGains(GainTreatment):
