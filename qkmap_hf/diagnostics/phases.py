@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..phases import MAX_SAMPLES, PhaseRecorder, describe, regime, regime_from_roles
+from ..phases import MAX_SAMPLES, REGIME_DESCRIPTIONS, PhaseRecorder, describe, regime, regime_from_roles
 from .base import Headline
 
 METRIC = "|omega * z| over tokens, heads, frequencies, channels"
@@ -90,9 +90,9 @@ class PhaseStatistics:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PhaseStatistics:
         """Reads ``analysis.json``'s ``phase`` entry and a ``PhaseRecorder.summary()`` (verify's ``phase``) alike."""
-        described = {describe(label): label for label in ("linear", "transitional", "periodic")}
+        labels = {description: label for label, description in REGIME_DESCRIPTIONS.items()}
         stated = data.get("regime")
-        recorded = stated if stated in described.values() else described.get(stated)
+        recorded = stated if stated in REGIME_DESCRIPTIONS else labels.get(stated)
         return cls([LayerPhases.from_dict(layer) for layer in data["layers"]], METRIC, recorded)
 
     def plot(self, path: Path, label: str) -> Path:
