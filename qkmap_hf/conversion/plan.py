@@ -103,8 +103,11 @@ def plan_conversion(
 
     float32 = float32_prefixes(config)
 
+    def kept_in_float32(name: str) -> bool:
+        return any(fragment in name for fragment in float32)
+
     def output_dtype(name: str, source_dtype: torch.dtype) -> torch.dtype:
-        if any(fragment in name for fragment in float32):
+        if kept_in_float32(name):
             return torch.float32  # _keep_in_fp32_modules: phases and gains stay float32
         return out_dtype if (dtype is not None and source_dtype.is_floating_point) else source_dtype
 
@@ -157,7 +160,7 @@ def plan_conversion(
             raise ConversionError(f"internal: {output.name!r} is not a parameter of the QK-MAP model.")
         layer_prefix = output.name.rsplit(".", 2)[0] + "."
         target = next((i for i, (_, ts) in enumerate(shards) if any(t.name.startswith(layer_prefix) for t in ts)), -1)
-        created_dtype = torch.float32 if any(fragment in output.name for fragment in float32) else out_dtype
+        created_dtype = torch.float32 if kept_in_float32(output.name) else out_dtype
         shards[target][1].append(PlannedTensor(output.name, expected[output.name], created_dtype, (), output.compute))
         produced[output.name] = output
 
