@@ -1,23 +1,27 @@
-"""Claims 2 and 4 on models trained on a synthetic task (``qkmap analyze --task mqar``; docs/synthetic-tasks.md).
+"""Claims 2 and 4 on models trained on a synthetic task (``qkmap analyze --task mqar|salience``;
+docs/synthetic-tasks.md).
 
-On MQAR sequences of the report split (``qkmap_hf.training.synthetic``), from each query position (the asked key
-in the query region, which predicts the value):
+On report-split sequences of the task (``qkmap_hf.training.synthetic``), from each answering position (MQAR: the
+asked key in the query region; salience: the query token), whose next-token prediction is the answer:
 
-- **evidence contrast** (claim 4): ``log2`` of the attention per token of the asked pair (its key and value in the
-  context) over the attention per token of the distractor pairs, per layer and head (``attention_measures.log2_lift``,
-  the one formula, which ``qkmap analyze``'s needle contrasts in ``diagnostics.contrast`` use too); the mean over
-  heads and the best head per layer;
-- **evidence key scale** (claim 2): the asked key's ``k_proj`` output, at its context position only, scaled by
-  each factor; reported are the attention mass the query puts on that key (mean over heads) before and after, and
-  the share of answers that change and the accuracy after. QK-Norm divides a key's scale out; standard attention
-  multiplies that key's logits; QK-MAP moves its phases.
+- **evidence contrast** (claim 4): ``log2`` of the attention per token of the evidence (MQAR: the asked pair's key
+  and value in the context; salience: the highest-priority item) over the attention per token of the distractors
+  (MQAR: the other pairs; salience: every other item), per layer and head (``attention_measures.log2_lift``, the
+  one formula, which ``qkmap analyze``'s needle contrasts in ``diagnostics.contrast`` use too); the mean over heads
+  and the best head per layer;
+- **evidence key scale** (claim 2): the evidence key's ``k_proj`` output (MQAR: the asked key; salience: the
+  answer item), at its context position only, scaled by each factor; reported are the attention mass the
+  answering position puts on that key (mean over heads) before and after, and the share of answers that change
+  and the accuracy after. QK-Norm divides a key's scale out; standard attention multiplies that key's logits;
+  QK-MAP moves its phases.
 
-Accuracy is the argmax at the query position against the asked value, as ``eval_accuracy`` in training.
+Accuracy is the argmax at the answering position against the answer, as ``eval_accuracy`` in training.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,29 +29,47 @@ import torch
 
 from .attention_measures import log2_lift
 from .diagnostics.hooks import attention_layers, attention_weights, use_eager_attention
-from .training.synthetic import MQARTask, TaskDataset
+from .training.synthetic import MQARTask, SalienceTask, TaskDataset
 
 DEFAULT_KEY_SCALES = (0.5, 2.0)
+PROBED_TASKS = (MQARTask.name, SalienceTask.name)
 
 
-def mqar_layout(task: MQARTask, ids: np.ndarray) -> list[tuple[int, int, list[int]]]:
-    """Per query: ``(query position, asked key's context position, distractor keys' context positions)``."""
-    context = len(ids) - 2 * task.queries
-    key_positions = {
-        int(ids[i]): i for i in range(context) if task.filler_vocab <= ids[i] < task.filler_vocab + task.key_vocab
-    }
-    layout = []
-    for position in range(context, len(ids), 2):
-        asked = key_positions[int(ids[position])]
-        layout.append((position, asked, [p for p in key_positions.values() if p != asked]))
-    return layout
+@dataclass(frozen=True)
+class EvidenceLayout:
+    """One answer of a sequence: where it is predicted, where its evidence and the distractors sit."""
+
+    position: int  # the token whose next-token prediction is the answer
+    evidence: tuple[int, ...]  # context positions of the evidence (the target of the contrast)
+    distractors: tuple[int, ...]  # context positions of the distractors (its reference)
+    key: int  # the evidence key whose scale the key-scale probe changes
 
 
-def _batch(task: MQARTask, length: int, examples: int, seed: int) -> tuple[torch.Tensor, list]:
+def evidence_layouts(task, ids: np.ndarray) -> list[EvidenceLayout]:
+    """The answers of one task sequence; MQAR has one per query, salience one."""
+    if isinstance(task, MQARTask):
+        context = len(ids) - 2 * task.queries
+        key_positions = {
+            int(ids[i]): i for i in range(context) if task.filler_vocab <= ids[i] < task.filler_vocab + task.key_vocab
+        }
+        layouts = []
+        for position in range(context, len(ids), 2):
+            asked = key_positions[int(ids[position])]
+            others = tuple(p for k in key_positions.values() if k != asked for p in (k, k + 1))
+            layouts.append(EvidenceLayout(position, (asked, asked + 1), others, asked))
+        return layouts
+    if isinstance(task, SalienceTask):
+        context = len(ids) - 2
+        top = int(np.flatnonzero(ids[:context] == ids[context + 1])[0])  # the answer's rank occurs once
+        return [EvidenceLayout(context, (top,), tuple(p for p in range(context) if p != top), top)]
+    raise ValueError(f"task {task.name}: no evidence layout; the probes know {', '.join(PROBED_TASKS)}.")
+
+
+def _batch(task, length: int, examples: int, seed: int) -> tuple[torch.Tensor, list[list[EvidenceLayout]]]:
     data = TaskDataset(task, length, examples, seed, "report")
     sequences = [data.example(i) for i in range(examples)]
     ids = torch.from_numpy(np.stack([s[0] for s in sequences]).astype(np.int64))
-    return ids, [mqar_layout(task, s[0]) for s in sequences]
+    return ids, [evidence_layouts(task, s[0]) for s in sequences]
 
 
 @torch.no_grad()
@@ -81,47 +103,47 @@ def _forward(model, ids: torch.Tensor, layers, scale: tuple[list[int], float] | 
 
 
 @torch.no_grad()
-def mqar_probes(
+def task_probes(
     model,
-    task: MQARTask,
+    task,
     length: int,
     examples: int = 32,
     seed: int = 0,
     key_scales: Sequence[float] = DEFAULT_KEY_SCALES,
 ) -> dict[str, Any]:
-    """The evidence contrast and evidence key scale of a model on ``examples`` report-split MQAR sequences."""
-    if task.num_pairs < 2:
+    """The evidence contrast and evidence key scale of a model on ``examples`` report-split task sequences."""
+    if isinstance(task, MQARTask) and task.num_pairs < 2:
         raise ValueError("mqar probes need num_pairs >= 2: the contrast compares the asked pair with distractors.")
     use_eager_attention(model)
     model.eval()
     layers = attention_layers(model)
     ids, layouts = _batch(task, length, examples, seed)
     logits, weights = _forward(model, ids, layers)
-    lifts = []  # (queries, layers, heads)
+    lifts = []  # (answers, layers, heads)
     correct = []
-    for b, layout in enumerate(layouts):
-        for query, asked, distractors in layout:
+    for b, answers in enumerate(layouts):
+        for answer in answers:
             target = torch.zeros(length, dtype=torch.bool)
-            target[[asked, asked + 1]] = True
+            target[list(answer.evidence)] = True
             reference = torch.zeros(length, dtype=torch.bool)
-            reference[[p for d in distractors for p in (d, d + 1)]] = True
-            lifts.append([log2_lift(w[b, :, query], target, reference).per_head for w in weights])
-            correct.append(int(logits[b, query].argmax()) == int(ids[b, query + 1]))
+            reference[list(answer.distractors)] = True
+            lifts.append([log2_lift(w[b, :, answer.position], target, reference).per_head for w in weights])
+            correct.append(int(logits[b, answer.position].argmax()) == int(ids[b, answer.position + 1]))
     lift = torch.tensor(lifts, dtype=torch.float64).mean(0)  # (layers, heads)
-    first = [layout[0] for layout in layouts]  # one query per sequence for the key-scale test
+    first = [answers[0] for answers in layouts]  # one answer per sequence for the key-scale test
     base_mass = _mass_on_key(weights, first)
-    base_answers = torch.tensor([int(logits[b, q].argmax()) for b, (q, _, _) in enumerate(first)])
-    answers = torch.tensor([int(ids[b, q + 1]) for b, (q, _, _) in enumerate(first)])
+    base_answers = torch.tensor([int(logits[b, a.position].argmax()) for b, a in enumerate(first)])
+    truth = torch.tensor([int(ids[b, a.position + 1]) for b, a in enumerate(first)])
     scaled = {}
     for factor in key_scales:
-        scaled_logits, scaled_weights = _forward(model, ids, layers, ([a for _, a, _ in first], factor))
-        new_answers = torch.tensor([int(scaled_logits[b, q].argmax()) for b, (q, _, _) in enumerate(first)])
+        scaled_logits, scaled_weights = _forward(model, ids, layers, ([a.key for a in first], factor))
+        new_answers = torch.tensor([int(scaled_logits[b, a.position].argmax()) for b, a in enumerate(first)])
         mass = _mass_on_key(scaled_weights, first)
         scaled[f"{factor:g}"] = {
             "layer_key_mass": mass,
             "layer_key_mass_change": [m - b for m, b in zip(mass, base_mass, strict=True)],
             "answers_changed": float((new_answers != base_answers).float().mean()),
-            "accuracy": float((new_answers == answers).float().mean()),
+            "accuracy": float((new_answers == truth).float().mean()),
         }
     return {
         "task": task.name,
@@ -129,7 +151,8 @@ def mqar_probes(
         "examples": examples,
         "accuracy": float(np.mean(correct)),
         "evidence_contrast": {
-            "metric": "log2(attention per token of the asked pair / per token of distractor pairs) from the query",
+            "metric": "log2(attention per token of the evidence / per token of the distractors) from the answering "
+            "position",
             "per_head_log2_lift": lift.tolist(),
             "layer_mean_log2_lift": lift.mean(-1).tolist(),
             "layer_best_head_log2_lift": lift.max(-1).values.tolist(),
@@ -137,17 +160,20 @@ def mqar_probes(
             "best_head_log2_lift": float(lift.max()),
         },
         "evidence_key_scale": {
-            "metric": "the asked key's k_proj output scaled at its position: mass the query puts on it, answers",
+            "metric": "the evidence key's k_proj output scaled at its position: mass the answering position puts "
+            "on it, answers",
             "layer_key_mass": base_mass,
-            "accuracy_first_query": float((base_answers == answers).float().mean()),
+            "accuracy_first_query": float((base_answers == truth).float().mean()),
             "by_factor": scaled,
         },
     }
 
 
-def _mass_on_key(weights: list[torch.Tensor], queries: list[tuple[int, int, list[int]]]) -> list[float]:
-    """Per layer, the mean over sequences and heads of the attention the query puts on the asked key."""
-    return [float(torch.stack([w[b, :, q, a].mean() for b, (q, a, _) in enumerate(queries)]).mean()) for w in weights]
+def _mass_on_key(weights: list[torch.Tensor], answers: list[EvidenceLayout]) -> list[float]:
+    """Per layer, the mean over sequences and heads of the attention the answering position puts on the key."""
+    return [
+        float(torch.stack([w[b, :, a.position, a.key].mean() for b, a in enumerate(answers)]).mean()) for w in weights
+    ]
 
 
-__all__ = ["DEFAULT_KEY_SCALES", "mqar_layout", "mqar_probes"]
+__all__ = ["DEFAULT_KEY_SCALES", "PROBED_TASKS", "EvidenceLayout", "evidence_layouts", "task_probes"]

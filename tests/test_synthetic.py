@@ -180,20 +180,51 @@ def test_compare_task_logs_answer_accuracy(tmp_path):
     assert record["data"]["extra"]["task"].startswith("mqar:num_pairs=2")
 
 
-def test_mqar_layout_finds_the_asked_pair_and_the_distractors():
-    from qkmap_hf.task_probes import mqar_layout
+def test_evidence_layouts_find_the_asked_pair_or_the_top_item_and_the_distractors():
+    from qkmap_hf.task_probes import evidence_layouts
 
     task = MQARTask(num_pairs=4, num_queries=2)
     ids, labels = TaskDataset(task, 48, 1, 0, "report").example(0)
-    for query, asked, distractors in mqar_layout(task, ids):
-        assert ids[asked] == ids[query] and ids[asked + 1] == labels[query + 1]
-        assert len(distractors) == 3 and asked not in distractors
+    answers = evidence_layouts(task, ids)
+    assert len(answers) == 2
+    for answer in answers:
+        asked = answer.key
+        assert ids[asked] == ids[answer.position] and ids[asked + 1] == labels[answer.position + 1]
+        assert answer.evidence == (asked, asked + 1) and len(answer.distractors) == 6
+        assert not set(answer.evidence) & set(answer.distractors)
+    salience = SalienceTask(levels=16)
+    for index in range(8):
+        ids, labels = TaskDataset(salience, 24, 8, 0, "report").example(index)
+        (answer,) = evidence_layouts(salience, ids)
+        priority = salience.priority()
+        # Brute force: the context item of highest priority is the answer, and it is the evidence.
+        context = ids[: answer.position]
+        assert answer.position == 22 and labels[answer.position + 1] == context[np.argmax(priority[context])]
+        assert answer.evidence == (answer.key,) and ids[answer.key] == labels[answer.position + 1]
+        assert sorted((*answer.evidence, *answer.distractors)) == list(range(22))
+
+
+def test_salience_probes_key_scale_reaches_only_standard_attention():
+    from qkmap_hf.task_probes import task_probes
+
+    task = SalienceTask(levels=16)
+    results = {}
+    for mode in ("qk_norm", "standard"):
+        torch.manual_seed(0)
+        model = QKMapForCausalLM(QKMapConfig(qk_mode=mode, **tiny_config_kwargs(vocab_size=257)))
+        results[mode] = task_probes(model, task, length=24, examples=6, key_scales=(4.0,))
+    qk_norm, standard = (results[m]["evidence_key_scale"]["by_factor"]["4"] for m in ("qk_norm", "standard"))
+    assert max(abs(c) for c in qk_norm["layer_key_mass_change"]) < 1e-5 and qk_norm["answers_changed"] == 0.0
+    assert max(abs(c) for c in standard["layer_key_mass_change"]) > 1e-4
+    contrast = results["standard"]["evidence_contrast"]
+    assert results["standard"]["task"] == "salience" and len(contrast["per_head_log2_lift"]) == 2
+    assert contrast["best_head_log2_lift"] >= contrast["mean_log2_lift"]
 
 
 @pytest.mark.slow
 def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(tmp_path):
     from qkmap_hf.cli import main
-    from qkmap_hf.task_probes import mqar_probes
+    from qkmap_hf.task_probes import task_probes
     from qkmap_hf.training.data import byte_level_tokenizer
 
     task = MQARTask(num_pairs=3)
@@ -201,7 +232,7 @@ def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(tmp
     for mode in ("qk_norm", "standard"):
         torch.manual_seed(0)
         model = QKMapForCausalLM(QKMapConfig(qk_mode=mode, **tiny_config_kwargs(vocab_size=257)))
-        results[mode] = mqar_probes(model, task, length=32, examples=6, key_scales=(4.0,))
+        results[mode] = task_probes(model, task, length=32, examples=6, key_scales=(4.0,))
         model.save_pretrained(tmp_path / mode)
         byte_level_tokenizer().save_pretrained(tmp_path / mode)
     qk_norm, standard = (results[m]["evidence_key_scale"]["by_factor"]["4"] for m in ("qk_norm", "standard"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..flags import comma_floats, default_of, parsed_by
-from ..task_probes import DEFAULT_KEY_SCALES, mqar_probes
+from ..task_probes import DEFAULT_KEY_SCALES, PROBED_TASKS, task_probes
 
 HELP = "Attention diagnostics (input-scale sensitivity, first-token mass, evidence contrast) as JSON and PNG plots."
 
@@ -35,11 +35,14 @@ class AnalyzeArguments:
     progress: bool = field(default=True, metadata={"help": "no progress bars", "switch": True})
     task: str | None = field(
         default=None,
-        metadata={"help": "run the claims' probes on synthetic task sequences instead of text, e.g. mqar:num_pairs=4"},
+        metadata={
+            "help": "run the claims' probes on synthetic task sequences instead of text: "
+            f"{' or '.join(PROBED_TASKS)}, e.g. mqar:num_pairs=4"
+        },
     )
     task_length: int = field(default=128, metadata={"help": "task sequence length"})
     task_examples: int = field(
-        default=default_of(mqar_probes, "examples"), metadata={"help": "task sequences from the report split"}
+        default=default_of(task_probes, "examples"), metadata={"help": "task sequences from the report split"}
     )
     key_scales: tuple[float, ...] = field(
         default=DEFAULT_KEY_SCALES,
@@ -90,18 +93,16 @@ def run_task(args: argparse.Namespace) -> int:
 
     from ..analysis import load_for_analysis
     from ..fileio import atomic_write_json
-    from ..training.synthetic import MQARTask, parse_task, task_spec
+    from ..training.synthetic import parse_task, task_spec
 
     task = parse_task(args.task)
-    if not isinstance(task, MQARTask):
-        raise ValueError(f"--task {args.task}: the probes are implemented for mqar only (docs/synthetic-tasks.md).")
     for name in ("task_length", "task_examples"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive integer.")
     results = []
     for path in (args.model, *args.compare):
         model, _ = load_for_analysis(path, trust_remote_code=args.trust_remote_code, dtype=getattr(torch, args.dtype))
-        entry = mqar_probes(
+        entry = task_probes(
             model.to(args.device), task, args.task_length, args.task_examples, args.seed, args.key_scales
         )
         entry["model"] = str(path)
