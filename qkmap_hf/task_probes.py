@@ -102,6 +102,29 @@ def _forward(model, ids: torch.Tensor, layers, scale: tuple[list[int], float] | 
     return logits, weights
 
 
+def _answers_correct(logits: torch.Tensor, ids: torch.Tensor, layouts: list[list[EvidenceLayout]]) -> list[bool]:
+    """Per answer: is the argmax at its answering position the answer token (as ``eval_accuracy`` in training)?"""
+    return [
+        int(logits[b, a.position].argmax()) == int(ids[b, a.position + 1]) for b, answers in enumerate(layouts)
+        for a in answers
+    ]  # fmt: skip
+
+
+@torch.no_grad()
+def task_accuracy(model, task, length: int, examples: int = 128, seed: int = 0, batch_size: int = 32) -> float:
+    """Answer accuracy on ``examples`` report-split sequences of ``task`` at ``length`` (any length and instance,
+    not only the one the model trained on: accuracy against the number of pairs and the length)."""
+    model.eval()
+    device = next(model.parameters()).device
+    ids, layouts = _batch(task, length, examples, seed)
+    correct: list[bool] = []
+    for start in range(0, examples, batch_size):
+        chunk = ids[start : start + batch_size]
+        logits = model(input_ids=chunk.to(device), use_cache=False).logits.float().cpu()
+        correct += _answers_correct(logits, chunk, layouts[start : start + batch_size])
+    return float(np.mean(correct))
+
+
 @torch.no_grad()
 def task_probes(
     model,
@@ -120,7 +143,6 @@ def task_probes(
     ids, layouts = _batch(task, length, examples, seed)
     logits, weights = _forward(model, ids, layers)
     lifts = []  # (answers, layers, heads)
-    correct = []
     for b, answers in enumerate(layouts):
         for answer in answers:
             target = torch.zeros(length, dtype=torch.bool)
@@ -128,7 +150,7 @@ def task_probes(
             reference = torch.zeros(length, dtype=torch.bool)
             reference[list(answer.distractors)] = True
             lifts.append([log2_lift(w[b, :, answer.position], target, reference).per_head for w in weights])
-            correct.append(int(logits[b, answer.position].argmax()) == int(ids[b, answer.position + 1]))
+    correct = _answers_correct(logits, ids, layouts)
     lift = torch.tensor(lifts, dtype=torch.float64).mean(0)  # (layers, heads)
     first = [answers[0] for answers in layouts]  # one answer per sequence for the key-scale test
     base_mass = _mass_on_key(weights, first)
@@ -176,4 +198,11 @@ def _mass_on_key(weights: list[torch.Tensor], answers: list[EvidenceLayout]) -> 
     ]
 
 
-__all__ = ["DEFAULT_KEY_SCALES", "PROBED_TASKS", "EvidenceLayout", "evidence_layouts", "task_probes"]
+__all__ = [
+    "DEFAULT_KEY_SCALES",
+    "PROBED_TASKS",
+    "EvidenceLayout",
+    "evidence_layouts",
+    "task_accuracy",
+    "task_probes",
+]

@@ -6,6 +6,11 @@ seeds, report split) and writes ``task_report.json``, ``task_report.md`` and ``a
 arm the final report-split accuracy (mean over seeds, paired 95 % interval over seeds against ``standard`` and
 ``qk_norm``), the first evaluated step at which each seed reached 50 % and 90 % (the mean over seeds that did; how
 many did), and the accuracy against training steps.
+
+With ``--generalize TASK@LENGTH,LENGTH ...`` it also loads each arm's saved report models (``--save-models``) and
+scores them on other instances of their task (``task_probes.task_accuracy``: report-split sequences), e.g.
+``mqar:num_pairs=4@64,128,256,512``: accuracy against the number of pairs and the length for models trained on
+one instance, in ``generalization`` of the JSON, a table and ``generalization.png``.
 """
 
 from __future__ import annotations
@@ -111,16 +116,126 @@ def plot(all_curves: dict[str, dict], path: Path) -> Path | None:
     return save_figure(figure, path)
 
 
-def build_report(sweeps: list[Path], output: Path) -> dict[str, Any]:
+def parse_generalize(spec: str) -> tuple[str, list[int]]:
+    """``TASK@LENGTH,LENGTH,...`` -> ``(task spec, lengths)``; the task is checked by ``parse_task``."""
+    from .training.synthetic import parse_task, task_spec
+
+    task, at, lengths = spec.rpartition("@")
+    try:
+        values = [int(v) for v in lengths.split(",")]
+    except ValueError:
+        values = []
+    if not at or not values or min(values) <= 0:
+        raise ValueError(f"--generalize {spec!r}: expected TASK@LENGTH[,LENGTH...], e.g. mqar:num_pairs=4@64,128.")
+    return task_spec(parse_task(task)), values
+
+
+def saved_models(sweep: Path) -> dict[str, dict[int, Path]]:
+    """``{arm: {seed: folder}}`` of a sweep's saved report models (its ``shard-*`` folders too)."""
+    found: dict[str, dict[int, Path]] = {}
+    for folder in sorted(f for base in (sweep, *sweep.glob("shard-*")) for f in base.glob("models/*/seed*")):
+        if (folder / "config.json").is_file():
+            found.setdefault(folder.parent.name, {})[int(folder.name.removeprefix("seed"))] = folder
+    return found
+
+
+def generalization(sweep: Path, specs: list[tuple[str, list[int]]], examples: int = 128) -> dict[str, Any]:
+    """``{task spec: {arm: {length: [accuracy per seed]}}}`` of a sweep's saved models on the given instances; only
+    the instances of the sweep's own task (by name) are scored."""
+    from .analysis import load_for_analysis
+    from .task_probes import task_accuracy
+    from .training.synthetic import parse_task
+
+    models = saved_models(sweep)
+    trained = _trained_task(models)
+    result: dict[str, Any] = {}
+    for spec, lengths in specs:
+        if trained is not None and spec.partition(":")[0] != trained:
+            continue
+        task = parse_task(spec)
+        for arm, seeds in models.items():
+            for _, folder in sorted(seeds.items()):
+                model, _ = load_for_analysis(folder)
+                for length in lengths:
+                    accuracy = task_accuracy(model, task, length, examples)
+                    result.setdefault(spec, {}).setdefault(arm, {}).setdefault(str(length), []).append(accuracy)
+    return result
+
+
+def _trained_task(models: dict[str, dict[int, Path]]) -> str | None:
+    """The task name a sweep's models trained on, from a training record (None when no record says)."""
+    for seeds in models.values():
+        for folder in seeds.values():
+            record = folder / TRAINING_RECORD
+            if record.is_file():
+                task = json.loads(record.read_text()).get("data", {}).get("extra", {}).get("task")
+                if task:
+                    return str(task).partition(":")[0]
+    return None
+
+
+def generalization_markdown(results: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for sweep, by_spec in results.items():
+        for spec, arms in by_spec.items():
+            lengths = sorted({int(n) for values in arms.values() for n in values})
+            lines += [
+                f"### {sweep}: scored on {spec} (mean accuracy over seeds [min-max])",
+                "",
+                "| arm | " + " | ".join(f"T = {n}" for n in lengths) + " |",
+                "|---|" + "---|" * len(lengths),
+            ]
+            for arm, values in arms.items():
+                cells = [
+                    f"{statistics.fmean(v):.3f} [{min(v):.2f}-{max(v):.2f}]" if (v := values.get(str(n))) else "-"
+                    for n in lengths
+                ]
+                lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot_generalization(results: dict[str, dict[str, Any]], path: Path) -> Path | None:
+    from .plotting import new_figure, save_figure
+
+    panels = [(sweep, spec, arms) for sweep, by_spec in results.items() for spec, arms in by_spec.items()]
+    if not panels:
+        return None
+    figure = new_figure(5.0 * len(panels), 4.0)
+    for index, (sweep, spec, arms) in enumerate(panels, 1):
+        axis = figure.add_subplot(1, len(panels), index)
+        for arm, values in arms.items():
+            lengths = sorted(values, key=int)
+            axis.plot([int(n) for n in lengths], [statistics.fmean(values[n]) for n in lengths], marker="o", label=arm)
+        axis.set_xscale("log", base=2)
+        axis.set_ylim(0, 1)
+        axis.set_title(f"{sweep}\nscored on {spec}", fontsize=8)
+        axis.set_xlabel("sequence length")
+        axis.set_ylabel("answer accuracy (mean over seeds)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=6)
+    return save_figure(figure, path)
+
+
+def build_report(
+    sweeps: list[Path], output: Path, generalize: list[tuple[str, list[int]]] | None = None
+) -> dict[str, Any]:
     all_curves = {sweep.name: accuracy_curves(sweep) for sweep in sweeps}
     empty = [name for name, curves in all_curves.items() if not curves]
     if len(empty) == len(all_curves):
         raise FileNotFoundError(f"{', '.join(map(str, sweeps))}: no report runs with eval_accuracy yet.")
     reports = {name: summarize(curves) for name, curves in all_curves.items() if curves}
     output.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(output / "task_report.json", reports)
-    atomic_write_text(output / "task_report.md", markdown(reports))
+    text = markdown(reports)
     plot({k: v for k, v in all_curves.items() if v}, output / "accuracy_curves.png")
+    if generalize:
+        scored = {sweep.name: generalization(sweep, generalize) for sweep in sweeps}
+        scored = {name: by_spec for name, by_spec in scored.items() if by_spec}
+        text += "\n" + generalization_markdown(scored)
+        plot_generalization(scored, output / "generalization.png")
+        reports = {**reports, "generalization": scored}
+    atomic_write_json(output / "task_report.json", reports)
+    atomic_write_text(output / "task_report.md", text)
     return reports
 
 
@@ -128,8 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkmap_hf.task_report", description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", nargs="+", type=Path, help="qkmap compare --task --tune output folders")
     parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument(
+        "--generalize", nargs="+", default=[], metavar="TASK@LENGTHS",
+        help="score the saved report models on these instances too, e.g. mqar:num_pairs=4@64,128,256",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    print(markdown(build_report(args.sweeps, args.output_dir)))
+    try:
+        generalize = [parse_generalize(spec) for spec in args.generalize]
+    except ValueError as error:
+        parser.error(str(error))
+    build_report(args.sweeps, args.output_dir, generalize)
+    print((args.output_dir / "task_report.md").read_text())
     return 0
 
 

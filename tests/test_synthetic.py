@@ -98,6 +98,8 @@ def test_tuning_and_report_splits_share_no_sequence_with_each_other_or_training(
 def test_parse_task_and_spec():
     assert parse_task("mqar:num_pairs=4") == MQARTask(num_pairs=4)
     assert task_spec(parse_task("salience")) == "salience:levels=128,ranking_seed=0"
+    for task in (MQARTask(num_pairs=3), MQARTask(num_pairs=3, num_queries=2), SalienceTask(levels=16)):
+        assert parse_task(task_spec(task)) == task
     with pytest.raises(ValueError, match="unknown task 'copy'; choose one of: mqar, salience"):
         parse_task("copy")
     with pytest.raises(ValueError, match="pairs not a field of mqar"):
@@ -273,3 +275,59 @@ def test_task_report_reads_report_runs_steps_to_thresholds_and_paired_intervals(
     assert report["qk_map"]["final_accuracy_mean"] == pytest.approx(0.93)
     assert report["qk_map"]["vs_standard"]["mean"] == pytest.approx(((0.95 - 0.7) + (0.91 - 0.45)) / 2)
     assert (tmp_path / "out" / "accuracy_curves.png").exists()
+
+
+class _StubLM(torch.nn.Module):
+    """A forward that answers from the sequence itself: ``oracle`` predicts token t + 1 at t, else a constant."""
+
+    def __init__(self, oracle: bool, constant: int = 0):
+        super().__init__()
+        self.oracle, self.constant = oracle, constant
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, use_cache=False):
+        predicted = torch.roll(input_ids, -1, dims=1) if self.oracle else torch.full_like(input_ids, self.constant)
+        return type("Output", (), {"logits": torch.nn.functional.one_hot(predicted, 257).float()})()
+
+
+@pytest.mark.parametrize(("task", "length"), [(MQARTask(num_pairs=4), 64), (SalienceTask(levels=16), 32)])
+def test_task_accuracy_of_an_oracle_is_one_and_of_a_constant_answer_its_share(task, length):
+    from qkmap_hf.task_probes import evidence_layouts, task_accuracy
+
+    assert task_accuracy(_StubLM(oracle=True), task, length, examples=20, batch_size=7) == 1.0
+    data = TaskDataset(task, length, 20, 0, "report")
+    answers = [int(ids[a.position + 1]) for ids, _ in map(data.example, range(20)) for a in evidence_layouts(task, ids)]
+    constant = max(set(answers), key=answers.count)
+    share = answers.count(constant) / len(answers)
+    assert 0 < share < 1
+    assert task_accuracy(_StubLM(oracle=False, constant=constant), task, length, examples=20) == pytest.approx(share)
+
+
+def test_task_report_generalization_scores_saved_models_on_other_instances(tmp_path):
+    from qkmap_hf.task_probes import task_accuracy
+    from qkmap_hf.task_report import build_report, main, parse_generalize
+    from qkmap_hf.training.data import byte_level_tokenizer
+
+    sweep = tmp_path / "mqar"
+    for arm, seed in (("standard", 0), ("qk_map", 0), ("qk_map", 1)):
+        torch.manual_seed(seed)
+        model = QKMapForCausalLM(QKMapConfig(qk_mode=arm, **tiny_config_kwargs(vocab_size=257)))
+        folder = sweep / "shard-0" / "models" / arm / f"seed{seed}"
+        model.save_pretrained(folder)
+        byte_level_tokenizer().save_pretrained(folder)
+        history = [{"step": 10, "eval_accuracy": 0.5}]
+        record = {"log_history": history, "data": {"extra": {"task": "mqar:num_pairs=2"}}}
+        (folder / "qkmap_training.json").write_text(json.dumps(record))
+    specs = [parse_generalize("mqar:num_pairs=4@16,32"), parse_generalize("salience@16")]
+    report = build_report([sweep], tmp_path / "out", specs)["generalization"]["mqar"]
+    assert list(report) == ["mqar:num_pairs=4,key_vocab=64,value_vocab=64,filler_vocab=64"]
+    (scored,) = report.values()
+    assert sorted(scored) == ["qk_map", "standard"] and len(scored["qk_map"]["32"]) == 2
+    reloaded = QKMapForCausalLM.from_pretrained(sweep / "shard-0" / "models" / "standard" / "seed0")
+    assert scored["standard"]["16"] == [task_accuracy(reloaded, MQARTask(num_pairs=4), 16, 128)]
+    assert (tmp_path / "out" / "generalization.png").exists()
+    assert "scored on mqar:num_pairs=4" in (tmp_path / "out" / "task_report.md").read_text()
+    with pytest.raises(SystemExit):
+        main([str(sweep), "--output-dir", str(tmp_path / "bad"), "--generalize", "mqar:num_pairs=4"])
+    with pytest.raises(ValueError, match="expected TASK@LENGTH"):
+        parse_generalize("mqar@0")

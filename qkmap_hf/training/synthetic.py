@@ -129,8 +129,9 @@ def parse_task(spec: str):
 
 
 def task_spec(task) -> str:
-    """The canonical ``NAME:field=value,...`` of a task (every field, so a record says exactly what ran)."""
-    return f"{task.name}:" + ",".join(f"{k}={v}" for k, v in asdict(task).items())
+    """The canonical ``NAME:field=value,...`` of a task (every set field, so a record says exactly what ran; a field
+    left at None is left out, so that ``parse_task`` reads the spec back to the same task)."""
+    return f"{task.name}:" + ",".join(f"{k}={v}" for k, v in asdict(task).items() if v is not None)
 
 
 class TaskDataset(Dataset):
