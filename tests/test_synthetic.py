@@ -182,6 +182,27 @@ def test_compare_task_logs_answer_accuracy(tmp_path):
     assert record["data"]["extra"]["task"].startswith("mqar:num_pairs=2")
 
 
+# The smallest instance the report uses (docs/synthetic-tasks.md) and its best arm's tuned setting there.
+LEARNED_TASK, LEARNED_LENGTH, LEARNED_STEPS = "salience:levels=128", 64, 2000
+LEARNED_ARM, LEARNED_RATE = "standard", 1e-3
+
+
+@pytest.mark.slow
+def test_the_best_arm_learns_the_smallest_reported_instance_above_90_percent(tmp_path):
+    from qkmap_hf.training.compare import CompareOptions, parse_variant, run_comparison
+
+    options = CompareOptions(
+        output_dir=str(tmp_path / "out"), task=LEARNED_TASK, preset="tiny", block_size=LEARNED_LENGTH, batch_size=16,
+        steps=LEARNED_STEPS, seeds=1, first_seed=7, learning_rate=LEARNED_RATE, eval_steps=LEARNED_STEPS,
+        max_eval_blocks=256, variants=[parse_variant(LEARNED_ARM)], monitor_steps=0,
+    )  # fmt: skip
+    run_comparison(options)
+    record = json.loads((tmp_path / "out" / "runs" / f"{LEARNED_ARM}-seed7" / "qkmap_training.json").read_text())
+    accuracies = [(h["step"], h["eval_accuracy"]) for h in record["log_history"] if "eval_accuracy" in h]
+    assert accuracies[0] == (0, pytest.approx(0.0, abs=0.05))  # untrained: about chance (1 / 96 answers)
+    assert accuracies[-1][0] == LEARNED_STEPS and accuracies[-1][1] > 0.9
+
+
 def test_evidence_layouts_find_the_asked_pair_or_the_top_item_and_the_distractors():
     from qkmap_hf.task_probes import evidence_layouts
 
@@ -206,43 +227,40 @@ def test_evidence_layouts_find_the_asked_pair_or_the_top_item_and_the_distractor
         assert sorted((*answer.evidence, *answer.distractors)) == list(range(22))
 
 
-def test_salience_probes_key_scale_reaches_only_standard_attention():
+def _probe_qk_norm_and_standard(task, length: int) -> dict[str, dict]:
+    """The probes of an untrained QK-Norm and standard model (seed 0), with the key-scale facts both must show."""
     from qkmap_hf.task_probes import task_probes
 
-    task = SalienceTask(levels=16)
     results = {}
     for mode in ("qk_norm", "standard"):
         torch.manual_seed(0)
         model = QKMapForCausalLM(QKMapConfig(qk_mode=mode, **tiny_config_kwargs(vocab_size=257)))
-        results[mode] = task_probes(model, task, length=24, examples=6, key_scales=(4.0,))
+        results[mode] = task_probes(model, task, length=length, examples=6, key_scales=(4.0,))
     qk_norm, standard = (results[m]["evidence_key_scale"]["by_factor"]["4"] for m in ("qk_norm", "standard"))
     assert max(abs(c) for c in qk_norm["layer_key_mass_change"]) < 1e-5 and qk_norm["answers_changed"] == 0.0
     assert max(abs(c) for c in standard["layer_key_mass_change"]) > 1e-4
-    contrast = results["standard"]["evidence_contrast"]
-    assert results["standard"]["task"] == "salience" and len(contrast["per_head_log2_lift"]) == 2
+    return results
+
+
+@pytest.mark.parametrize(("task", "length"), [(MQARTask(num_pairs=3), 32), (SalienceTask(levels=16), 24)])
+def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(task, length):
+    contrast = _probe_qk_norm_and_standard(task, length)["standard"]["evidence_contrast"]
+    assert len(contrast["per_head_log2_lift"]) == 2 and len(contrast["per_head_log2_lift"][0]) == 4
     assert contrast["best_head_log2_lift"] >= contrast["mean_log2_lift"]
 
 
 @pytest.mark.slow
-def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(tmp_path):
+def test_analyze_task_writes_the_probes_of_every_saved_model(tmp_path):
     from qkmap_hf.cli import main
-    from qkmap_hf.task_probes import task_probes
     from qkmap_hf.training.data import byte_level_tokenizer
 
-    task = MQARTask(num_pairs=3)
-    results = {}
+    results = _probe_qk_norm_and_standard(MQARTask(num_pairs=3), 32)
     for mode in ("qk_norm", "standard"):
         torch.manual_seed(0)
-        model = QKMapForCausalLM(QKMapConfig(qk_mode=mode, **tiny_config_kwargs(vocab_size=257)))
-        results[mode] = task_probes(model, task, length=32, examples=6, key_scales=(4.0,))
-        model.save_pretrained(tmp_path / mode)
+        QKMapForCausalLM(QKMapConfig(qk_mode=mode, **tiny_config_kwargs(vocab_size=257))).save_pretrained(
+            tmp_path / mode
+        )
         byte_level_tokenizer().save_pretrained(tmp_path / mode)
-    qk_norm, standard = (results[m]["evidence_key_scale"]["by_factor"]["4"] for m in ("qk_norm", "standard"))
-    assert max(abs(c) for c in qk_norm["layer_key_mass_change"]) < 1e-5 and qk_norm["answers_changed"] == 0.0
-    assert max(abs(c) for c in standard["layer_key_mass_change"]) > 1e-4
-    contrast = results["standard"]["evidence_contrast"]
-    assert len(contrast["per_head_log2_lift"]) == 2 and len(contrast["per_head_log2_lift"][0]) == 4
-    assert contrast["best_head_log2_lift"] >= contrast["mean_log2_lift"]
     out = tmp_path / "analysis"
     code = main(["analyze", str(tmp_path / "qk_norm"), "--compare", str(tmp_path / "standard"), "--task",
                  "mqar:num_pairs=3", "--task-length", "32", "--task-examples", "6", "--output-dir", str(out)])  # fmt: skip
@@ -251,7 +269,8 @@ def test_key_scale_probe_qk_norm_divides_the_scale_out_and_standard_does_not(tmp
         str(tmp_path / "qk_norm"),
         str(tmp_path / "standard"),
     ]
-    assert written["models"][1]["evidence_contrast"]["mean_log2_lift"] == pytest.approx(contrast["mean_log2_lift"])
+    expected = results["standard"]["evidence_contrast"]["mean_log2_lift"]
+    assert written["models"][1]["evidence_contrast"]["mean_log2_lift"] == pytest.approx(expected)
 
 
 def test_task_report_reads_report_runs_steps_to_thresholds_and_paired_intervals(tmp_path):
