@@ -7,7 +7,8 @@
 # report seeds 0, 1, 2 on the disjoint report split and saved. The instances run side by side, one niced one-thread
 # process each (SHARDS=1 of benchmarks/sharded_compare.sh; SHARDS=2 splits an instance's arms over two). Then the
 # accuracy report (qkmap_hf.task_report, with the saved models scored on other pair counts and lengths: GENERALIZE)
-# and `qkmap analyze --task` (evidence contrast, evidence key scale) on every instance's saved models.
+# and `qkmap analyze --task` (evidence contrast, evidence key scale) on every saved model of every instance, which the
+# report summarises per arm over seeds with paired intervals.
 # Arms: the modes, both position-prior controls, F = 1/2/4 at equal key width (32), the compact layout (keys as wide
 # as head_dim) and the constant-cos control. Resumable: a rerun skips finished runs; widening a grid runs only the
 # new points.
@@ -42,7 +43,7 @@ status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 for index in "${!folders[@]}"; do
     instance=${instances[index]} task=${instance%@*} length=${instance##*@}
-    mapfile -t models < <(ls -d "${folders[index]}"/shard-*/models/*/seed0 2>/dev/null)
+    mapfile -t models < <(ls -d "${folders[index]}"/shard-*/models/*/seed* 2>/dev/null)
     if ((${#models[@]})); then
         $QKMAP analyze "${models[0]}" --compare "${models[@]:1}" --task "$task" --task-length "$length" \
             --output-dir "${folders[index]}/analysis" || status=1

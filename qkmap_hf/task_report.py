@@ -10,7 +10,9 @@ many did), and the accuracy against training steps.
 With ``--generalize TASK@LENGTH,LENGTH ...`` it also loads each arm's saved report models (``--save-models``) and
 scores them on other instances of their task (``task_probes.task_accuracy``: report-split sequences), e.g.
 ``mqar:num_pairs=4@64,128,256,512``: accuracy against the number of pairs and the length for models trained on
-one instance, in ``generalization`` of the JSON, a table and ``generalization.png``.
+one instance, in ``generalization`` of the JSON, a table and ``generalization.png``. Where a sweep has
+``analysis/task_analysis.json`` (``qkmap analyze --task`` on its saved models), ``probes`` holds the probes' headline
+numbers per arm (``probe_measures``): the mean over seeds and paired intervals against the baselines.
 """
 
 from __future__ import annotations
@@ -62,13 +64,94 @@ def summarize(curves: dict[str, dict[int, list[tuple[int, float]]]]) -> dict[str
                 "mean": statistics.fmean(hit) if hit else None,
                 "reached": f"{len(hit)}/{len(reached)}",
             }
-        for baseline in BASELINES:
-            if arm != baseline and baseline in final:
-                common = sorted(set(final[arm]) & set(final[baseline]))
-                if common:
-                    entry[f"vs_{baseline}"] = paired_interval([final[arm][s] - final[baseline][s] for s in common])
+        entry.update(versus_baselines(final, arm))
         summary[arm] = entry
     return summary
+
+
+def versus_baselines(values: dict[str, dict[int, float]], arm: str) -> dict[str, Any]:
+    """``{"vs_standard": paired interval, "vs_qk_norm": ...}`` of ``values[arm][seed]`` over the seeds it shares
+    with each baseline (none for the baseline itself or a missing one)."""
+    entry = {}
+    for baseline in BASELINES:
+        if arm != baseline and baseline in values:
+            common = sorted(set(values[arm]) & set(values[baseline]))
+            if common:
+                entry[f"vs_{baseline}"] = paired_interval([values[arm][s] - values[baseline][s] for s in common])
+    return entry
+
+
+PROBE_ANALYSIS = Path("analysis") / "task_analysis.json"  # where benchmarks/synthetic_tasks.sh writes the probes
+
+
+def probe_measures(entry: dict[str, Any]) -> dict[str, float]:
+    """The headline numbers of one model's ``task_probes`` result: accuracy, the evidence contrast (mean over
+    heads and layers; the best head) and, per key scale, the share of answers changed and the change of the
+    attention mass on the evidence key (mean over layers)."""
+    contrast, scale = entry["evidence_contrast"], entry["evidence_key_scale"]
+    measures = {
+        "accuracy": entry["accuracy"],
+        "evidence_log2_lift": contrast["mean_log2_lift"],
+        "best_head_log2_lift": contrast["best_head_log2_lift"],
+    }
+    for factor, result in scale["by_factor"].items():
+        measures[f"answers_changed_x{factor}"] = result["answers_changed"]
+        measures[f"key_mass_change_x{factor}"] = statistics.fmean(result["layer_key_mass_change"])
+    return measures
+
+
+def probe_summary(sweep: Path) -> dict[str, Any]:
+    """Per arm and measure of ``probe_measures``: the mean over the seeds probed and paired intervals against the
+    baselines, from the sweep's ``analysis/task_analysis.json`` (models named ``.../ARM/seedS``). Empty when the
+    sweep has no probes."""
+    path = sweep / PROBE_ANALYSIS
+    if not path.is_file():
+        return {}
+    by_measure: dict[str, dict[str, dict[int, float]]] = {}
+    for entry in json.loads(path.read_text())["models"]:
+        folder = Path(entry["model"])
+        arm, seed = folder.parent.name, int(folder.name.removeprefix("seed"))
+        for name, value in probe_measures(entry).items():
+            by_measure.setdefault(name, {}).setdefault(arm, {})[seed] = value
+    summary: dict[str, Any] = {}
+    for name, values in by_measure.items():
+        for arm, seeds in values.items():
+            summary.setdefault(arm, {})[name] = {
+                "mean": statistics.fmean(seeds.values()),
+                "seeds": sorted(seeds),
+                **versus_baselines(values, arm),
+            }
+    return summary
+
+
+def probe_markdown(probes: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for sweep, arms in probes.items():
+        factors = sorted(
+            {k.removeprefix("answers_changed_x") for a in arms.values() for k in a if "answers" in k}, key=float
+        )
+        lines += [
+            f"### {sweep}: probes (qkmap analyze --task; mean over seeds, paired 95 % intervals)",
+            "",
+            "| arm | seeds | accuracy | evidence log2 lift | vs standard | vs qk_norm | best head | "
+            + " | ".join(f"answers changed, key x{f}" for f in factors)
+            + " | "
+            + " | ".join(f"key mass change x{f}" for f in factors)
+            + " |",
+            "|---|---|---|---|---|---|---|" + "---|" * (2 * len(factors)),
+        ]
+        for arm, m in arms.items():
+            lift = m["evidence_log2_lift"]
+            cells = [
+                arm, str(len(m["accuracy"]["seeds"])), f"{m['accuracy']['mean']:.3f}", f"{lift['mean']:+.2f}",
+                format_interval(lift.get("vs_standard"), ".2f"),
+                format_interval(lift.get("vs_qk_norm"), ".2f"), f"{m['best_head_log2_lift']['mean']:+.2f}",
+                *(f"{m[f'answers_changed_x{f}']['mean']:.3f}" for f in factors),
+                *(f"{m[f'key_mass_change_x{f}']['mean']:+.4f}" for f in factors),
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def markdown(reports: dict[str, dict[str, Any]]) -> str:
@@ -227,6 +310,10 @@ def build_report(
     reports = {name: summarize(curves) for name, curves in all_curves.items() if curves}
     output.mkdir(parents=True, exist_ok=True)
     text = markdown(reports)
+    probes = {sweep.name: summary for sweep in sweeps if (summary := probe_summary(sweep))}
+    if probes:
+        text += "\n" + probe_markdown(probes)
+        reports = {**reports, "probes": probes}
     plot({k: v for k, v in all_curves.items() if v}, output / "accuracy_curves.png")
     if generalize:
         scored = {sweep.name: generalization(sweep, generalize) for sweep in sweeps}

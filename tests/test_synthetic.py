@@ -350,3 +350,31 @@ def test_task_report_generalization_scores_saved_models_on_other_instances(tmp_p
         main([str(sweep), "--output-dir", str(tmp_path / "bad"), "--generalize", "mqar:num_pairs=4"])
     with pytest.raises(ValueError, match="expected TASK@LENGTH"):
         parse_generalize("mqar@0")
+
+
+def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_intervals(tmp_path):
+    from qkmap_hf.task_report import build_report
+
+    sweep = tmp_path / "salience"
+    lifts = {("standard", 0): 0.5, ("standard", 1): 1.0, ("standard", 2): 0.0, ("qk_map", 0): 1.5, ("qk_map", 1): 1.0}
+    lifts[("qk_map", 2)] = 2.0
+    models = []
+    for (arm, seed), lift in lifts.items():
+        run = sweep / "shard-0" / "runs" / "report" / arm / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "qkmap_training.json").write_text(json.dumps({"log_history": [{"step": 10, "eval_accuracy": 0.9}]}))
+        scale = {"by_factor": {"2": {"answers_changed": lift / 4, "layer_key_mass_change": [lift, 3 * lift]}}}
+        contrast = {"mean_log2_lift": lift, "best_head_log2_lift": 2 * lift}
+        model = str(sweep / "shard-0" / "models" / arm / f"seed{seed}")
+        models.append({"model": model, "accuracy": 0.8, "evidence_contrast": contrast, "evidence_key_scale": scale})
+    (sweep / "analysis").mkdir()
+    (sweep / "analysis" / "task_analysis.json").write_text(json.dumps({"task": "salience", "models": models}))
+    probes = build_report([sweep], tmp_path / "out")["probes"]["salience"]
+    assert probes["qk_map"]["evidence_log2_lift"]["mean"] == pytest.approx(1.5)
+    assert probes["qk_map"]["evidence_log2_lift"]["vs_standard"]["mean"] == pytest.approx(1.0)
+    assert probes["qk_map"]["evidence_log2_lift"]["vs_standard"]["n"] == 3
+    assert probes["qk_map"]["key_mass_change_x2"]["mean"] == pytest.approx(2 * 1.5)
+    assert probes["standard"]["answers_changed_x2"]["mean"] == pytest.approx(0.5 / 4)
+    assert "vs_standard" not in probes["standard"]["accuracy"]
+    text = (tmp_path / "out" / "task_report.md").read_text()
+    assert "salience: probes" in text and "answers changed, key x2" in text
