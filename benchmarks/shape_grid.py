@@ -250,6 +250,9 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dic
     summary, raw = [], []
     for size in sizes:
         kv_rows = measure_kv(args, size)
+        if args.kv_only:  # bytes do not depend on T: one row set per shape
+            summary += kv_rows
+            continue
         for seq_len in args.seq_lens:
             print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
             shape_raw, shape_summary = measure_shape(args, size, seq_len)
@@ -298,14 +301,17 @@ def markdown(summary: list[dict], run_column: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], path: Path) -> Path:
-    """Ratio against shape, one panel per metric, one line per variant (min..max bars), floors dashed."""
+def plot(summary: list[dict], path: Path) -> Path | None:
+    """Ratio against shape, one panel per metric, one line per variant (min..max bars), floors dashed; None when
+    the summary has no time or activation metric (``--kv-only``: its table says it all)."""
+    metrics = [m for m in (*TIME_METRICS, "activation_bytes") if any(r["metric"] == m for r in summary)]
+    if not metrics:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [m for m in (*TIME_METRICS, "activation_bytes") if any(r["metric"] == m for r in summary)]
     cases = sorted({(r["shape"], r["seq_len"]) for r in summary}, key=lambda c: (c[0], int(c[1])))
     labels = [f"{shape} T{seq_len}" for shape, seq_len in cases]
     fig, axes = plt.subplots(len(metrics), 1, figsize=(max(6, 0.5 * len(cases) + 3), 2.6 * len(metrics)), squeeze=False)
@@ -400,6 +406,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--no-train", dest="train", action="store_false", help="skip the training step and its bytes")
+    p.add_argument(
+        "--kv-only", action="store_true", help="only the KV-cache bytes per token after generate (no timing; seconds)"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded after the T-token prefill")

@@ -122,3 +122,16 @@ def test_summarize_reads_grid_and_overhead_csvs(grid, tmp_path, capsys) -> None:
     assert "| sdpa | d64 h8/kv8 L4 | 64 | qk_map_wide | 1.250x [1.20-1.30] |" in out
     assert "| grid | d16 h4/kv1 L1 | 8 | qk_map_wide |" in out
     assert f"missing: gone (no summary CSV under {tmp_path / 'x'})" in out
+
+
+def test_kv_only_measures_cache_bytes_of_every_variant_without_timing(tmp_path) -> None:
+    args = shape_grid.parser().parse_args(
+        ["--kv-only", "--head-dims", "16", "--heads", "4", "--kv-ratios", "2", "--layers", "1"]
+        + ["--kv-prompt-len", "3", "--kv-new-tokens", "2", "--output-dir", str(tmp_path)]
+    )
+    summary, raw, _, _ = shape_grid.run_grid(args)
+    assert raw == [] and {r["metric"] for r in summary} == {"kv_bytes_per_token_dynamic", "kv_bytes_per_token_static"}
+    for row in summary:
+        assert row["cost_ratio"] == pytest.approx(row["floor_ratio"])  # measured bytes as the config predicts
+    assert {r["variant"] for r in summary} == set(args.variants)
+    assert shape_grid.plot(summary, tmp_path / "ratios.png") is None
