@@ -28,6 +28,7 @@ from .stability import BASELINES, TRAINING_RECORD
 from .training.sweep import format_interval, paired_interval
 
 THRESHOLDS = (0.5, 0.9)
+VERDICT_NOTE = "paper_claims' rule: paired 95 % intervals over report seeds against every judged baseline"
 
 
 def accuracy_curves(sweep: Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
@@ -122,6 +123,49 @@ def probe_summary(sweep: Path) -> dict[str, Any]:
                 **versus_baselines(values, arm),
             }
     return summary
+
+
+def task_claims() -> dict[str, Any]:
+    """The claims judged on a task, each a ``paper_claims.Metric`` named after a measure of ``probe_measures`` (or
+    the final accuracy): the paper's direction and the baselines judged, for ``paper_claims``' one verdict rule
+    (the values come from the report's tables, so no ``extract`` is needed)."""
+    from .paper_claims import Metric
+
+    return {
+        "final_accuracy": Metric("final_accuracy", "higher accuracy (claim 1 on the task)", lambda _: None, +1),
+        "evidence_log2_lift": Metric(
+            "evidence_log2_lift", "stronger contrast on the evidence (claim 4)", lambda _: None, +1
+        ),
+        "answers_changed_x2": Metric(
+            "answers_changed_x2",
+            "answers follow the evidence key's scale, x2 (claim 2)",
+            lambda _: None,
+            +1,
+            baselines=("qk_norm",),
+        ),
+        "answers_changed_x0.5": Metric(
+            "answers_changed_x0.5",
+            "answers follow the evidence key's scale, x0.5 (claim 2)",
+            lambda _: None,
+            +1,
+            baselines=("qk_norm",),
+        ),
+    }
+
+
+def claim_verdicts(accuracy: dict[str, Any], probes: dict[str, Any]) -> dict[str, str]:
+    """``{claim label: verdict}`` for one sweep: ``qk_map`` against the baselines, over the report seeds."""
+    from .paper_claims import verdict
+
+    verdicts = {}
+    for name, metric in task_claims().items():
+        if name == "final_accuracy":
+            table = accuracy
+        else:
+            table = {arm: measures[name] for arm, measures in probes.items() if name in measures}
+        if table:
+            verdicts[metric.label] = verdict(table, metric)
+    return verdicts
 
 
 def probe_markdown(probes: dict[str, dict[str, Any]]) -> str:
@@ -314,6 +358,11 @@ def build_report(
     if probes:
         text += "\n" + probe_markdown(probes)
         reports = {**reports, "probes": probes}
+    verdicts = {name: claim_verdicts(reports[name], probes.get(name, {})) for name in all_curves if name in reports}
+    reports = {**reports, "verdicts": verdicts}
+    for name, by_claim in verdicts.items():
+        text += f"\n### {name}: verdicts for qk_map ({VERDICT_NOTE})\n\n"
+        text += "\n".join(f"- {claim}: **{result}**" for claim, result in by_claim.items()) + "\n"
     plot({k: v for k, v in all_curves.items() if v}, output / "accuracy_curves.png")
     if generalize:
         scored = {sweep.name: generalization(sweep, generalize) for sweep in sweeps}

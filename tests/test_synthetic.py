@@ -357,8 +357,8 @@ def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_interv
     from qkmap_hf.task_report import build_report
 
     sweep = tmp_path / "salience"
-    lifts = {("standard", 0): 0.5, ("standard", 1): 1.0, ("standard", 2): 0.0, ("qk_map", 0): 1.5, ("qk_map", 1): 1.0}
-    lifts[("qk_map", 2)] = 2.0
+    lifts = {("standard", 0): 0.5, ("standard", 1): 0.6, ("standard", 2): 0.7, ("qk_map", 0): 1.5, ("qk_map", 1): 1.6}
+    lifts |= {("qk_map", 2): 1.8, ("qk_norm", 0): 0.0, ("qk_norm", 1): 0.1, ("qk_norm", 2): 0.2}
     models = []
     for (arm, seed), lift in lifts.items():
         run = sweep / "shard-0" / "runs" / "report" / arm / f"seed{seed}"
@@ -370,12 +370,19 @@ def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_interv
         models.append({"model": model, "accuracy": 0.8, "evidence_contrast": contrast, "evidence_key_scale": scale})
     (sweep / "analysis").mkdir()
     (sweep / "analysis" / "task_analysis.json").write_text(json.dumps({"task": "salience", "models": models}))
-    probes = build_report([sweep], tmp_path / "out")["probes"]["salience"]
-    assert probes["qk_map"]["evidence_log2_lift"]["mean"] == pytest.approx(1.5)
-    assert probes["qk_map"]["evidence_log2_lift"]["vs_standard"]["mean"] == pytest.approx(1.0)
+    report = build_report([sweep], tmp_path / "out")
+    probes = report["probes"]["salience"]
+    assert probes["qk_map"]["evidence_log2_lift"]["mean"] == pytest.approx(4.9 / 3)
+    assert probes["qk_map"]["evidence_log2_lift"]["vs_standard"]["mean"] == pytest.approx(3.1 / 3)
     assert probes["qk_map"]["evidence_log2_lift"]["vs_standard"]["n"] == 3
-    assert probes["qk_map"]["key_mass_change_x2"]["mean"] == pytest.approx(2 * 1.5)
-    assert probes["standard"]["answers_changed_x2"]["mean"] == pytest.approx(0.5 / 4)
+    assert probes["qk_map"]["key_mass_change_x2"]["mean"] == pytest.approx(2 * 4.9 / 3)
+    assert probes["standard"]["answers_changed_x2"]["mean"] == pytest.approx(1.8 / 12)
+    verdicts = report["verdicts"]["salience"]
+    # qk_map's lift is above both baselines on every seed, with a tight spread: the rule says supported; the
+    # accuracies are equal, so that claim is inconclusive.
+    assert verdicts["stronger contrast on the evidence (claim 4)"] == "supported"
+    assert verdicts["higher accuracy (claim 1 on the task)"] == "inconclusive"
+    assert verdicts["answers follow the evidence key's scale, x2 (claim 2)"] == "supported"
     assert "vs_standard" not in probes["standard"]["accuracy"]
     text = (tmp_path / "out" / "task_report.md").read_text()
     assert "salience: probes" in text and "answers changed, key x2" in text
