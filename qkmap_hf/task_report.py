@@ -31,13 +31,23 @@ THRESHOLDS = (0.5, 0.9)
 VERDICT_NOTE = "paper_claims' rule: paired 95 % intervals over report seeds against every judged baseline"
 
 
+def _sweep_folders(sweep: Path) -> list[Path]:
+    """A sweep folder and its ``shard-*`` folders (``benchmarks/sharded_compare.sh``), which share data and seeds."""
+    return [sweep, *sorted(sweep.glob("shard-*"))]
+
+
+def arm_and_seed(run: Path) -> tuple[str, int]:
+    """``(arm, seed)`` of a report run or saved model folder, ``.../ARM/seedS``."""
+    return run.parent.name, int(run.name.removeprefix("seed"))
+
+
 def accuracy_curves(sweep: Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """``{arm: {seed: [(step, eval_accuracy), ...]}}`` from a sweep's report runs (its ``shard-*`` folders too)."""
     curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
     patterns = (f"runs/report/*/seed*/{TRAINING_RECORD}", f"models/*/seed*/{TRAINING_RECORD}")
-    records = [r for folder in (sweep, *sweep.glob("shard-*")) for pattern in patterns for r in folder.glob(pattern)]
+    records = [r for folder in _sweep_folders(sweep) for pattern in patterns for r in folder.glob(pattern)]
     for record in sorted(records):
-        arm, seed = record.parent.parent.name, int(record.parent.name.removeprefix("seed"))
+        arm, seed = arm_and_seed(record.parent)
         history = json.loads(record.read_text()).get("log_history", [])
         points = [(int(h["step"]), float(h["eval_accuracy"])) for h in history if "eval_accuracy" in h]
         if points:
@@ -110,8 +120,7 @@ def probe_summary(sweep: Path) -> dict[str, Any]:
         return {}
     by_measure: dict[str, dict[str, dict[int, float]]] = {}
     for entry in json.loads(path.read_text())["models"]:
-        folder = Path(entry["model"])
-        arm, seed = folder.parent.name, int(folder.name.removeprefix("seed"))
+        arm, seed = arm_and_seed(Path(entry["model"]))
         for name, value in probe_measures(entry).items():
             by_measure.setdefault(name, {}).setdefault(arm, {})[seed] = value
     summary: dict[str, Any] = {}
@@ -130,26 +139,23 @@ def task_claims() -> dict[str, Any]:
     the final accuracy): the paper's direction and the baselines judged, for ``paper_claims``' one verdict rule
     (the values come from the report's tables, so no ``extract`` is needed)."""
     from .paper_claims import Metric
+    from .task_probes import DEFAULT_KEY_SCALES
 
     return {
         "final_accuracy": Metric("final_accuracy", "higher accuracy (claim 1 on the task)", lambda _: None, +1),
         "evidence_log2_lift": Metric(
             "evidence_log2_lift", "stronger contrast on the evidence (claim 4)", lambda _: None, +1
         ),
-        "answers_changed_x2": Metric(
-            "answers_changed_x2",
-            "answers follow the evidence key's scale, x2 (claim 2)",
-            lambda _: None,
-            +1,
-            baselines=("qk_norm",),
-        ),
-        "answers_changed_x0.5": Metric(
-            "answers_changed_x0.5",
-            "answers follow the evidence key's scale, x0.5 (claim 2)",
-            lambda _: None,
-            +1,
-            baselines=("qk_norm",),
-        ),
+        **{
+            f"answers_changed_x{factor:g}": Metric(
+                f"answers_changed_x{factor:g}",
+                f"answers follow the evidence key's scale, x{factor:g} (claim 2)",
+                lambda _: None,
+                +1,
+                baselines=("qk_norm",),
+            )
+            for factor in sorted(DEFAULT_KEY_SCALES, reverse=True)
+        },
     }
 
 
@@ -260,9 +266,10 @@ def parse_generalize(spec: str) -> tuple[str, list[int]]:
 def saved_models(sweep: Path) -> dict[str, dict[int, Path]]:
     """``{arm: {seed: folder}}`` of a sweep's saved report models (its ``shard-*`` folders too)."""
     found: dict[str, dict[int, Path]] = {}
-    for folder in sorted(f for base in (sweep, *sweep.glob("shard-*")) for f in base.glob("models/*/seed*")):
+    for folder in sorted(f for base in _sweep_folders(sweep) for f in base.glob("models/*/seed*")):
         if (folder / "config.json").is_file():
-            found.setdefault(folder.parent.name, {})[int(folder.name.removeprefix("seed"))] = folder
+            arm, seed = arm_and_seed(folder)
+            found.setdefault(arm, {})[seed] = folder
     return found
 
 
