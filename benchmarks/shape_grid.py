@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import json
 import math
 import sys
 from collections import defaultdict
@@ -30,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import qkmap_hf
+from qkmap_hf.fileio import atomic_write_json
 from qkmap_hf.modeling.attention_qkmap import QKMapAttention
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -244,8 +246,39 @@ def measure_kv(args: argparse.Namespace, size: dict) -> list[dict]:
     return rows
 
 
+def measurement_settings(args: argparse.Namespace) -> dict:
+    """What a finished (shape, T) part was measured with: a rerun reuses the part only if these match."""
+    return {
+        name: getattr(args, name)
+        for name in ("device", "dtype", "attn", "variants", "train", "batch", "repeats", "decode_tokens", "threads")
+    } | {"torch": torch.__version__, "qkmap_hf": qkmap_hf.__version__}
+
+
+def part_path(args: argparse.Namespace, size: dict, seq_len: int) -> Path:
+    """The checkpoint of one (shape, T) under ``OUTPUT_DIR/parts/`` (its name built from the grid's own numbers)."""
+    name = f"d{size['head_dim']}_h{size['num_attention_heads']}_kv{size['num_key_value_heads']}"
+    return args.output_dir / "parts" / f"{name}_L{size['num_hidden_layers']}_T{seq_len}.json"
+
+
+def measured_part(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[list[dict], list[dict]]:
+    """``measure_shape``, resumable: a part finished with the same settings is read back instead of remeasured,
+    and every newly finished part is written (atomically) before the next starts, so an interrupted grid loses at
+    most the part it was in."""
+    path, settings = part_path(args, size, seq_len), measurement_settings(args)
+    if path.exists():
+        part = json.loads(path.read_text())
+        if part.get("settings") == settings:
+            print(f"[grid] {shape_label(size)} T={seq_len}: done earlier ({path.name})", file=sys.stderr, flush=True)
+            return part["raw"], part["summary"]
+    print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
+    raw, summary = measure_shape(args, size, seq_len)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"settings": settings, "raw": raw, "summary": summary})
+    return raw, summary
+
+
 def run_grid(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict], list[str]]:
-    """The whole grid: (summary rows, raw rows, sizes measured, shapes skipped)."""
+    """The whole grid: (summary rows, raw rows, sizes measured, shapes skipped). Resumable per (shape, T)."""
     sizes, skipped = grid_shapes(args.head_dims, args.heads, args.kv_ratios, args.layers)
     summary, raw = [], []
     for size in sizes:
@@ -254,8 +287,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dic
             summary += kv_rows
             continue
         for seq_len in args.seq_lens:
-            print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
-            shape_raw, shape_summary = measure_shape(args, size, seq_len)
+            shape_raw, shape_summary = measured_part(args, size, seq_len)
             raw += shape_raw
             summary += shape_summary + [{**row, "seq_len": seq_len} for row in kv_rows]
     return summary, raw, sizes, skipped

@@ -18,21 +18,44 @@ from attention_overhead import variant_config  # noqa: E402
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> tuple[list[dict], Path]:
     """d16, 4 query heads sharing 1 key/value head (GQA 4:1), 1 layer, T = 8, one repeat."""
-    args = shape_grid.parser().parse_args(
-        ["--head-dims", "16", "--heads", "4", "--kv-ratios", "4", "--layers", "1", "--seq-lens", "8"]
-        + ["--repeats", "1", "--decode-tokens", "1", "--kv-prompt-len", "3", "--kv-new-tokens", "2"]
-    )
-    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: a second thread only waits on a loaded machine
-    try:
-        summary, _, _, skipped = shape_grid.run_grid(args)
-    finally:
-        torch.set_num_threads(threads)
+    summary, _, _, skipped = run_tiny_grid(tmp_path_factory.mktemp("grid"))
     assert skipped == []
     path = tmp_path_factory.mktemp("grid") / "shape_grid_summary.csv"
     shape_grid.write_csv(path, summary, shape_grid.SUMMARY_FIELDS)
     return summary, path
+
+
+def tiny_grid_args(output_dir: Path, *extra: str):
+    args = shape_grid.parser().parse_args(
+        ["--head-dims", "16", "--heads", "4", "--kv-ratios", "4", "--layers", "1", "--seq-lens", "8"]
+        + ["--repeats", "1", "--decode-tokens", "1", "--kv-prompt-len", "3", "--kv-new-tokens", "2"]
+        + ["--output-dir", str(output_dir), *extra]
+    )
+    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
+    return args
+
+
+def run_tiny_grid(output_dir: Path, *extra: str):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only waits on a loaded machine
+    try:
+        return shape_grid.run_grid(tiny_grid_args(output_dir, *extra))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_rerun_reads_finished_parts_back_and_remeasures_when_the_settings_change(tmp_path, monkeypatch) -> None:
+    summary, raw, _, _ = run_tiny_grid(tmp_path)
+    (part,) = (tmp_path / "parts").iterdir()
+    assert part.name == "d16_h4_kv1_L1_T8.json"
+    measured = []
+    original = shape_grid.measure_shape
+    monkeypatch.setattr(shape_grid, "measure_shape", lambda *a: measured.append(a) or original(*a))
+    again, raw_again, _, _ = run_tiny_grid(tmp_path)
+    assert measured == [] and again == summary and raw_again == raw  # read back, not remeasured
+    changed, _, _, _ = run_tiny_grid(tmp_path, "--decode-tokens", "2")
+    assert len(measured) == 1 and changed != summary  # other settings: measured again, the part replaced
+    assert shape_grid.json.loads(part.read_text())["settings"]["decode_tokens"] == 2
 
 
 def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid) -> None:
