@@ -102,6 +102,9 @@ def probe_measures(entry: dict[str, Any]) -> dict[str, float]:
     contrast, scale = entry["evidence_contrast"], entry["evidence_key_scale"]
     measures = {
         "accuracy": entry["accuracy"],
+        # MQAR's later answers can be had by elimination (the context value not yet answered); its first answer
+        # cannot: above chance only by matching the asked key (docs/synthetic-tasks.md).
+        "first_answer_accuracy": scale["accuracy_first_query"],
         "evidence_log2_lift": contrast["mean_log2_lift"],
         "best_head_log2_lift": contrast["best_head_log2_lift"],
     }
@@ -183,17 +186,18 @@ def probe_markdown(probes: dict[str, dict[str, Any]]) -> str:
         lines += [
             f"### {sweep}: probes (qkmap analyze --task; mean over seeds, paired 95 % intervals)",
             "",
-            "| arm | seeds | accuracy | evidence log2 lift | vs standard | vs qk_norm | best head | "
+            "| arm | seeds | accuracy | first answer | evidence log2 lift | vs standard | vs qk_norm | best head | "
             + " | ".join(f"answers changed, key x{f}" for f in factors)
             + " | "
             + " | ".join(f"key mass change x{f}" for f in factors)
             + " |",
-            "|---|---|---|---|---|---|---|" + "---|" * (2 * len(factors)),
+            "|---|---|---|---|---|---|---|---|" + "---|" * (2 * len(factors)),
         ]
         for arm, m in arms.items():
             lift = m["evidence_log2_lift"]
             cells = [
-                arm, str(len(m["accuracy"]["seeds"])), f"{m['accuracy']['mean']:.3f}", f"{lift['mean']:+.2f}",
+                arm, str(len(m["accuracy"]["seeds"])), f"{m['accuracy']['mean']:.3f}",
+                f"{m['first_answer_accuracy']['mean']:.3f}", f"{lift['mean']:+.2f}",
                 format_interval(lift.get("vs_standard"), ".2f"),
                 format_interval(lift.get("vs_qk_norm"), ".2f"), f"{m['best_head_log2_lift']['mean']:+.2f}",
                 *(f"{m[f'answers_changed_x{f}']['mean']:.3f}" for f in factors),

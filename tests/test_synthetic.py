@@ -25,7 +25,12 @@ from qkmap_hf.training.synthetic import (
 
 from .utils import tiny_config_kwargs
 
-TASK_CASES = [(MQARTask(num_pairs=4), 96), (MQARTask(num_pairs=8, num_queries=3), 64), (SalienceTask(), 48)]
+TASK_CASES = [
+    (MQARTask(num_pairs=4), 96),
+    (MQARTask(num_pairs=8, num_queries=3), 64),
+    (MQARTask(num_pairs=2, num_queries=8), 64),  # more queries than pairs: keys asked with replacement
+    (SalienceTask(), 48),
+]
 
 
 def _mqar_answers(task: MQARTask, ids: np.ndarray) -> dict[int, int]:
@@ -66,6 +71,19 @@ def test_generators_are_deterministic_and_agree_with_a_brute_force_reference(tas
     assert item["input_ids"].dtype == torch.int64 and item["labels"].shape == (length,)
 
 
+def test_repeated_queries_ask_every_pair_and_leave_no_answer_to_elimination():
+    task, length = MQARTask(num_pairs=2, num_queries=6), 64
+    data = TaskDataset(task, length, 200, 0, "train")
+    repeats, both_asked = 0, 0
+    for index in range(200):
+        ids, _ = data.example(index)
+        asked = ids[length - 2 * task.queries :: 2].tolist()
+        repeats += len(asked) > len(set(asked))
+        both_asked += len(set(asked)) == 2
+    # Six draws from two keys always repeat one; both keys are asked unless all six draws agree (p = 1/32).
+    assert repeats == 200 and 170 < both_asked < 200
+
+
 def test_evidence_depth_and_answer_levels_are_spread():
     task, length = MQARTask(num_pairs=2), 128
     depths = []
@@ -104,6 +122,8 @@ def test_parse_task_and_spec():
         parse_task("copy")
     with pytest.raises(ValueError, match="pairs not a field of mqar"):
         parse_task("mqar:pairs=4")
+    with pytest.raises(ValueError, match=r"num_queries >= 1 \(0\)"):
+        TaskDataset(MQARTask(num_pairs=2, num_queries=0), 64, 1, 0, "train")
     with pytest.raises(ValueError, match="cannot hold 40 pairs"):
         TaskDataset(MQARTask(num_pairs=40), 64, 1, 0, "train")
 
@@ -365,6 +385,7 @@ def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_interv
         run.mkdir(parents=True)
         (run / "qkmap_training.json").write_text(json.dumps({"log_history": [{"step": 10, "eval_accuracy": 0.9}]}))
         scale = {"by_factor": {"2": {"answers_changed": lift / 4, "layer_key_mass_change": [lift, 3 * lift]}}}
+        scale["accuracy_first_query"] = 0.5 + seed / 10
         contrast = {"mean_log2_lift": lift, "best_head_log2_lift": 2 * lift}
         model = str(sweep / "shard-0" / "models" / arm / f"seed{seed}")
         models.append({"model": model, "accuracy": 0.8, "evidence_contrast": contrast, "evidence_key_scale": scale})
@@ -377,6 +398,7 @@ def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_interv
     assert probes["qk_map"]["evidence_log2_lift"]["vs_standard"]["n"] == 3
     assert probes["qk_map"]["key_mass_change_x2"]["mean"] == pytest.approx(2 * 4.9 / 3)
     assert probes["standard"]["answers_changed_x2"]["mean"] == pytest.approx(1.8 / 12)
+    assert probes["qk_norm"]["first_answer_accuracy"]["mean"] == pytest.approx(0.6)
     verdicts = report["verdicts"]["salience"]
     # qk_map's lift is above both baselines on every seed, with a tight spread: the rule says supported; the
     # accuracies are equal, so that claim is inconclusive.
@@ -386,3 +408,4 @@ def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_interv
     assert "vs_standard" not in probes["standard"]["accuracy"]
     text = (tmp_path / "out" / "task_report.md").read_text()
     assert "salience: probes" in text and "answers changed, key x2" in text
+    assert "| qk_norm | 3 | 0.800 | 0.600 | +0.10 |" in text  # accuracy, first answer, lift

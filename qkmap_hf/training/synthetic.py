@@ -6,7 +6,9 @@ what the queries and keys encode.
 
 - ``mqar``: multi-query associative recall (Arora et al. 2023, "Zoology"). ``num_pairs`` key-value pairs are
   scattered, each at a uniform random depth, over filler tokens; the last ``2 * num_queries`` tokens ask for keys
-  (``key value``, the value being the answer). Keys of a sequence are distinct.
+  (``key value``, the value being the answer). Keys of a sequence are distinct; so are the asked keys unless
+  ``num_queries > num_pairs``, which asks keys with replacement (with every pair asked once, the last answer can be
+  had by elimination, without matching a key: docs/synthetic-tasks.md).
 - ``salience``: every item token has a hidden priority (a fixed random ranking of the ``levels`` items, the same in
   every split: it is the task); the answer after the query token is the highest-priority item seen. The answer's
   level is uniform over the top three quarters of the ranking and its position uniform over the context, so that
@@ -38,7 +40,7 @@ class MQARTask:
 
     name: ClassVar[str] = "mqar"
     num_pairs: int = 2
-    num_queries: int | None = None  # default: every pair is asked for
+    num_queries: int | None = None  # default: every pair is asked for; more than num_pairs: with replacement
     key_vocab: int = 64
     value_vocab: int = 64
     filler_vocab: int = 64
@@ -48,10 +50,10 @@ class MQARTask:
         return self.num_pairs if self.num_queries is None else self.num_queries
 
     def check(self, length: int) -> None:
-        if not 1 <= self.queries <= self.num_pairs <= self.key_vocab:
+        if not (self.queries >= 1 and 1 <= self.num_pairs <= self.key_vocab):
             raise ValueError(
-                f"task mqar: need 1 <= num_queries ({self.queries}) <= num_pairs ({self.num_pairs}) <= key_vocab "
-                f"({self.key_vocab})."
+                f"task mqar: need num_queries >= 1 ({self.queries}) and 1 <= num_pairs ({self.num_pairs}) <= "
+                f"key_vocab ({self.key_vocab})."
             )
         if (length - 2 * self.queries) // 2 < self.num_pairs:
             raise ValueError(f"task mqar: block {length} cannot hold {self.num_pairs} pairs and their queries.")
@@ -68,7 +70,7 @@ class MQARTask:
         slots = np.sort(rng.choice(context // 2, size=self.num_pairs, replace=False))
         # A uniform depth per pair: its slot is uniform, and an odd context leaves the last token to filler.
         ids[2 * slots], ids[2 * slots + 1] = keys, values
-        asked = rng.choice(self.num_pairs, size=self.queries, replace=False)
+        asked = rng.choice(self.num_pairs, size=self.queries, replace=self.queries > self.num_pairs)
         query_positions = context + 2 * np.arange(self.queries)
         ids[query_positions], ids[query_positions + 1] = keys[asked], values[asked]
         labels[query_positions + 1] = values[asked]
