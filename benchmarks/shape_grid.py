@@ -19,10 +19,12 @@ shape per metric and, with ``--profile-worst``, prints torch.profiler's top ops 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import itertools
 import json
 import math
+import multiprocessing
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -271,10 +273,27 @@ def measured_part(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
             print(f"[grid] {shape_label(size)} T={seq_len}: done earlier ({path.name})", file=sys.stderr, flush=True)
             return part["raw"], part["summary"]
     print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
-    raw, summary = measure_shape(args, size, seq_len)
+    if args.isolate:
+        raw, summary = _in_child_process(args, size, seq_len)
+    else:
+        raw, summary = measure_shape(args, size, seq_len)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"settings": settings, "raw": raw, "summary": summary})
     return raw, summary
+
+
+def _measure_in_child(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[list[dict], list[dict]]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return measure_shape(args, size, seq_len)
+
+
+def _in_child_process(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[list[dict], list[dict]]:
+    """``measure_shape`` in a fresh (spawned) process: one long process grew to the machine's 24 GiB over 25 parts
+    and was killed (the allocator keeps what the large shapes freed), while each part alone peaks at ~3 GiB."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_measure_in_child, args, size, seq_len).result()
 
 
 def run_grid(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict], list[str]]:
@@ -438,6 +457,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--no-train", dest="train", action="store_false", help="skip the training step and its bytes")
+    p.add_argument(
+        "--in-process", dest="isolate", action="store_false",
+        help="measure every (shape, T) in this process (default: each in a fresh one, so memory the allocator "
+        "keeps after a large shape cannot add up over the grid)",
+    )  # fmt: skip
     p.add_argument(
         "--kv-only", action="store_true", help="only the KV-cache bytes per token after generate (no timing; seconds)"
     )

@@ -18,7 +18,7 @@ from attention_overhead import variant_config  # noqa: E402
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> tuple[list[dict], Path]:
     """d16, 4 query heads sharing 1 key/value head (GQA 4:1), 1 layer, T = 8, one repeat."""
-    summary, _, _, skipped = run_tiny_grid(tmp_path_factory.mktemp("grid"))
+    summary, _, _, skipped = run_tiny_grid(tmp_path_factory.mktemp("grid"), "--in-process")
     assert skipped == []
     path = tmp_path_factory.mktemp("grid") / "shape_grid_summary.csv"
     shape_grid.write_csv(path, summary, shape_grid.SUMMARY_FIELDS)
@@ -44,16 +44,18 @@ def run_tiny_grid(output_dir: Path, *extra: str):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # spawns a process (~7 s of imports)
 def test_a_rerun_reads_finished_parts_back_and_remeasures_when_the_settings_change(tmp_path, monkeypatch) -> None:
-    summary, raw, _, _ = run_tiny_grid(tmp_path)
+    summary, raw, _, _ = run_tiny_grid(tmp_path)  # the default: the part measured in a spawned process
+    assert {r["variant"] for r in summary if r["metric"] == "decode_ms_per_token"} == set(shape_grid.VARIANTS)
     (part,) = (tmp_path / "parts").iterdir()
     assert part.name == "d16_h4_kv1_L1_T8.json"
     measured = []
     original = shape_grid.measure_shape
     monkeypatch.setattr(shape_grid, "measure_shape", lambda *a: measured.append(a) or original(*a))
-    again, raw_again, _, _ = run_tiny_grid(tmp_path)
+    again, raw_again, _, _ = run_tiny_grid(tmp_path, "--in-process")
     assert measured == [] and again == summary and raw_again == raw  # read back, not remeasured
-    changed, _, _, _ = run_tiny_grid(tmp_path, "--decode-tokens", "2")
+    changed, _, _, _ = run_tiny_grid(tmp_path, "--in-process", "--decode-tokens", "2")
     assert len(measured) == 1 and changed != summary  # other settings: measured again, the part replaced
     assert shape_grid.json.loads(part.read_text())["settings"]["decode_tokens"] == 2
 
