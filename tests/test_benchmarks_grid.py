@@ -160,3 +160,22 @@ def test_kv_only_measures_cache_bytes_of_every_variant_without_timing(tmp_path) 
         assert row["cost_ratio"] == pytest.approx(row["floor_ratio"])  # measured bytes as the config predicts
     assert {r["variant"] for r in summary} == set(args.variants)
     assert shape_grid.plot(summary, tmp_path / "ratios.png") is None
+
+
+def test_targets_are_met_at_the_floor_or_missed_as_the_issue_defines_them() -> None:
+    def row(shape: str, ratio: float, floor: float | None, metric: str = "train_tokens_per_s") -> dict:
+        return {"shape": shape, "seq_len": 512, "variant": "qk_map_wide", "metric": metric, "cost_ratio": ratio,
+                "floor_ratio": floor}  # fmt: skip
+
+    target = shape_grid.TARGETS[("qk_map_wide", "train_tokens_per_s")]  # 1.22
+    assert shape_grid.target_status(row("a", 1.20, 1.10), target) == "met"
+    assert shape_grid.target_status(row("b", 1.40, 1.38), target) == "at floor"  # floor above target, within 3 %
+    assert shape_grid.target_status(row("c", 1.43, 1.38), target) == "missed"  # 3.6 % above its floor
+    assert shape_grid.target_status(row("d", 1.25, 1.10), target) == "missed"  # floor below target: no excuse
+    assert shape_grid.target_status(row("e", 1.25, None), target) == "missed"
+    summary = [row(name, ratio, floor) for name, ratio, floor in [("a", 1.2, 1.1), ("b", 1.4, 1.38), ("c", 1.43, 1.38)]]
+    summary.append(row("a", 1.30, None, "activation_bytes"))
+    table = shape_grid.target_table(summary)
+    assert "| qk_map_wide | train step | <= 1.22x | 3 | 1 | 1 | 1 | c T=512: 1.430x, floor 1.380 |" in table
+    assert "| qk_map_wide | saved act. bytes | <= 1.15x | 1 | 0 | 0 | 1 | a T=512: 1.300x |" in table
+    assert "qk_map_compact" not in table  # no rows, no line
