@@ -206,3 +206,66 @@ def test_compiled_backward_matches_eager():
     want = torch.autograd.grad(qkmap_features(z, frequency, gain, cos, sin).square().sum(), (z, frequency, gain))
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max().item() < 1e-5 * (1 + b.abs().max().item())
+
+
+def decoding_feature_map(num_freq=1, groups=2):
+    """A feature map of a GQA layer with non-trivial omega and gains, and one token's queries, keys and tables."""
+    config = QKMapConfig(
+        **tiny_config_kwargs(num_attention_heads=2 * groups, num_key_value_heads=2), qkmap_num_frequencies=num_freq
+    )
+    feature_map = QKMapForCausalLM(config).model.layers[0].self_attn.qk_map
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in feature_map.parameters():
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    m = config.resolved_qkmap_input_dim
+    query = torch.randn(1, 1, 2 * groups, m, generator=generator).transpose(1, 2)
+    key = torch.randn(1, 1, 2, m, generator=generator).transpose(1, 2)
+    cos, sin = torch.randn(1, 1, m, generator=generator), torch.randn(1, 1, m, generator=generator)
+    return feature_map, (query, key, cos, sin)
+
+
+def uncached_features(feature_map, query, key, cos, sin):
+    frequency = feature_map.frequency()
+    gains = (feature_map.effective_gain(g, frequency) for g in (feature_map.query_gain, feature_map.key_gain))
+    rotate = feature_map.config.qkmap_rotate_cos_blocks
+    return qkmap_query_key_features(query, key, frequency, *gains, cos, sin, rotate)
+
+
+@pytest.mark.parametrize("num_freq,groups", [(1, 2), (2, 1)])
+def test_decoding_keeps_the_parameter_rows_between_tokens_and_refreshes_them_on_every_update(num_freq, groups):
+    """One-token calls without gradients reuse omega and the gains' stacked rows: the same bits as computing
+    them, and new values after an in-place update, a load_state_dict or a dtype change."""
+    feature_map, inputs = decoding_feature_map(num_freq, groups)
+    with torch.no_grad():
+        first = feature_map(*inputs)
+        kept = feature_map._decoding_parameters[1]
+        assert all(torch.equal(a, b) for a, b in zip(first, uncached_features(feature_map, *inputs), strict=True))
+        again = feature_map(*inputs)
+        assert feature_map._decoding_parameters[1] is kept  # reused, not recomputed
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+        feature_map.key_gain.mul_(2.0)  # an optimizer step or a user's edit
+        updated = feature_map(*inputs)
+        assert torch.equal(updated[0], first[0]) and not torch.allclose(updated[1], first[1])
+        assert all(torch.equal(a, b) for a, b in zip(updated, uncached_features(feature_map, *inputs), strict=True))
+
+        state = {name: tensor * 0.5 for name, tensor in feature_map.state_dict().items()}
+        feature_map.load_state_dict(state)
+        loaded = feature_map(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(loaded, uncached_features(feature_map, *inputs), strict=True))
+
+        kept = feature_map._decoding_parameters[1]
+        feature_map.double()
+        doubled = feature_map(*(t.double() for t in inputs))
+        assert feature_map._decoding_parameters[1] is not kept and doubled[0].dtype == torch.float64
+        assert all(torch.allclose(a.float(), b, atol=1e-5) for a, b in zip(doubled, loaded, strict=True))
+
+
+def test_decoding_rows_are_not_kept_when_gradients_are_needed():
+    """With gradients on, one token goes through the autograd node: the parameters get their gradients."""
+    feature_map, inputs = decoding_feature_map()
+    query_features, key_features = feature_map(*inputs)
+    (query_features.sum() + key_features.sum()).backward()
+    assert feature_map._decoding_parameters is None
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in feature_map.parameters())

@@ -17,6 +17,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .cos_blocks import COS_BLOCKS
+from .feature_map_qkmap import one_token_query_key_features, stack_query_key_parameters
 from .gain_treatments import GAIN_TREATMENTS
 from .query_key import QUERY_KEY_GROUP, QueryKeyConstruction
 
@@ -56,6 +57,7 @@ class QKMapFeatureMap(nn.Module):
         self.inverse_frequency_gains = config.qkmap_gain_parametrization == "inverse_frequency"
         self.gain_treatment = GAIN_TREATMENTS[getattr(config, "qkmap_gain_treatment", "learned")]
         self.cos_blocks = COS_BLOCKS[getattr(config, "qkmap_cos_block", "phase")]
+        self._decoding_parameters: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.reset_trainability()
 
     def reset_trainability(self) -> None:
@@ -82,10 +84,40 @@ class QKMapFeatureMap(nn.Module):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        rotate = self.config.qkmap_rotate_cos_blocks
+        if query.shape[-2] == 1 and self.cos_blocks.stacks_decoding and self.parameters_are_constant(query):
+            stacked = self.decoding_parameters(query.shape[1] // key.shape[1])
+            return one_token_query_key_features(query, key, *stacked, cos, sin, rotate)
         frequency = self.frequency()
         query_gain, key_gain = (self.effective_gain(g, frequency) for g in (self.query_gain, self.key_gain))
-        rotate = self.config.qkmap_rotate_cos_blocks
         return self.cos_blocks.features(rotate, query, key, frequency, query_gain, key_gain, cos, sin)
+
+    @staticmethod
+    def parameters_are_constant(query: torch.Tensor) -> bool:
+        """No gradients, no compilation, no CUDA graph capture: what the parameters imply may be kept between calls
+        (a tensor made while capturing lives in the graph's memory pool)."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        return not (query.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def decoding_parameters(self, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``stack_query_key_parameters`` of omega and the effective gains, kept between decoded tokens.
+
+        Computing them is ~5 small ops per layer and token (more under GQA) that only change when the parameters
+        do; they are recomputed when a parameter's version counter (every in-place update, ``copy_``, an optimizer
+        step), storage, dtype or device changes. A write through ``parameter.data`` bypasses the version counter:
+        call ``forget_decoding_parameters`` after one.
+        """
+        parameters = (self.log_frequency, self.query_gain, self.key_gain)
+        key = (groups, *((p._version, p.data_ptr(), p.dtype, p.device) for p in parameters))
+        if self._decoding_parameters is None or self._decoding_parameters[0] != key:
+            frequency = self.frequency()
+            gains = (self.effective_gain(gain, frequency) for gain in (self.query_gain, self.key_gain))
+            self._decoding_parameters = (key, stack_query_key_parameters(frequency, *gains, groups))
+        return self._decoding_parameters[1]
+
+    def forget_decoding_parameters(self) -> None:
+        self._decoding_parameters = None
 
     @torch.no_grad()
     def initial_values(self) -> dict[str, torch.Tensor]:

@@ -19,6 +19,8 @@ class PhaseCosBlocks:
     """``phase`` (the default): ``phi(z) = concat_f [a_cos cos(omega z), a_sin sin(omega z)]``."""
 
     name: ClassVar[str] = "phase"
+    # Decoding maps one token's queries and keys in one stacked call (``one_token_query_key_features``).
+    stacks_decoding: ClassVar[bool] = True
 
     @staticmethod
     def features(
@@ -40,6 +42,7 @@ class ConstantCosBlocks(PhaseCosBlocks):
     relative-position prior (docs/synthetic-tasks.md). At zero sine gains it equals ``standard_prior``."""
 
     name = "constant"
+    stacks_decoding = False
 
     @classmethod
     def features(cls, rotate, query, key, frequency, query_gain, key_gain, cos, sin):

@@ -284,26 +284,43 @@ def qkmap_query_key_features(
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
         return QKMapQueryKeyFunction.apply(*inputs, rotate_cos_blocks)
     if query.shape[-2] == 1:
-        return _stacked_features(*inputs, rotate_cos_blocks)
+        groups = query.shape[1] // key.shape[1]
+        stacked = stack_query_key_parameters(frequency, query_gain, key_gain, groups)
+        return one_token_query_key_features(query, key, *stacked, cos, sin, rotate_cos_blocks)
     return QKMapQueryKeyFunction.forward(*inputs, rotate_cos_blocks)
 
 
-def _stacked_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool):
-    """Decoding (one token, no gradients): queries and keys as the heads of one ``_features`` call.
-
-    At one token the map is ~20 small ops whose cost is the per-op dispatch, not arithmetic: one call for both
-    halves it (measured ~0.6x the time of two calls). Every head gets its own frequency and gain rows (query
-    heads repeat their key head's), so each query and key is mapped exactly as by two separate calls.
-    """
-    heads, groups = query.shape[1], query.shape[1] // key.shape[1]
+def stack_query_key_parameters(
+    frequency: torch.Tensor, query_gain: torch.Tensor, key_gain: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frequency and gain rows per head, the query heads' (each repeating its key head's) then the key heads', for
+    ``one_token_query_key_features``. They change only with the parameters: a decoding model can keep them between
+    tokens (``QKMapFeatureMap.decoding_parameters``)."""
     query_frequency = frequency
     if groups > 1:
         query_frequency = frequency.repeat_interleave(groups, dim=0)
         query_gain = query_gain.repeat_interleave(groups, dim=0)
+    return torch.cat((query_frequency, frequency)), torch.cat((query_gain, key_gain))
+
+
+def one_token_query_key_features(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    stacked_frequency: torch.Tensor,
+    stacked_gain: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotate_cos_blocks: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding (one token, no gradients): queries and keys as the heads of one ``_features`` call.
+
+    At one token the map is ~20 small ops whose cost is the per-op dispatch, not arithmetic: one call for both
+    halves it (measured ~0.6x the time of two calls). Every head gets its own frequency and gain rows
+    (``stack_query_key_parameters``), so each query and key is mapped exactly as by two separate calls.
+    """
+    heads = query.shape[1]
     z = torch.cat((query, key), dim=1)
-    features = _one_token_features(
-        z, torch.cat((query_frequency, frequency)), torch.cat((query_gain, key_gain)), cos, sin, rotate_cos_blocks
-    )
+    features = _one_token_features(z, stacked_frequency, stacked_gain, cos, sin, rotate_cos_blocks)
     return features[:, :heads], features[:, heads:]
 
 
