@@ -14,6 +14,7 @@ from qkmap_hf.modeling.configuration_qkmap import QKMapConfig
 from qkmap_hf.modeling.modeling_qkmap import QKMapForCausalLM
 from qkmap_hf.training.synthetic import (
     IGNORE_INDEX,
+    CopyTask,
     MQARTask,
     SalienceTask,
     TaskDataset,
@@ -30,6 +31,7 @@ TASK_CASES = [
     (MQARTask(num_pairs=8, num_queries=3), 64),
     (MQARTask(num_pairs=2, num_queries=8), 64),  # more queries than pairs: keys asked with replacement
     (SalienceTask(), 48),
+    (CopyTask(), 40),
 ]
 
 
@@ -42,6 +44,17 @@ def _mqar_answers(task: MQARTask, ids: np.ndarray) -> dict[int, int]:
         first = next(i for i in range(context) if ids[i] == key)
         answers[position + 1] = ids[first + 1]
     return answers
+
+
+def _copy_answers(task: CopyTask, ids: np.ndarray) -> dict[int, int]:
+    """Brute force: the chunk's second occurrence is the only ``chunk``-long run that occurred before (random ids
+    repeat a run of 16 with negligible probability); every token of it but the first is a label."""
+    n = task.chunk
+    first = {}
+    for i in range(len(ids) - n + 1):
+        first.setdefault(ids[i : i + n].tobytes(), i)
+    repeat = next(j for j in range(n, len(ids) - n + 1) if first[ids[j : j + n].tobytes()] <= j - n)
+    return {j: int(ids[j]) for j in range(repeat + 1, repeat + n)}
 
 
 def _salience_answer(task: SalienceTask, ids: np.ndarray) -> int:
@@ -58,7 +71,9 @@ def test_generators_are_deterministic_and_agree_with_a_brute_force_reference(tas
         assert np.array_equal(ids, again.example(index)[0]) and np.array_equal(labels, again.example(index)[1])
         assert ids.shape == labels.shape == (length,) and ids.min() >= 0 and ids.max() < 256
         answered = {int(i): int(labels[i]) for i in np.flatnonzero(labels != IGNORE_INDEX)}
-        if isinstance(task, MQARTask):
+        if isinstance(task, CopyTask):
+            assert answered == _copy_answers(task, ids)
+        elif isinstance(task, MQARTask):
             assert answered == {int(k): int(v) for k, v in _mqar_answers(task, ids).items()}
             keys = ids[: length - 2 * task.queries]
             assert (
@@ -82,6 +97,33 @@ def test_repeated_queries_ask_every_pair_and_leave_no_answer_to_elimination():
         both_asked += len(set(asked)) == 2
     # Six draws from two keys always repeat one; both keys are asked unless all six draws agree (p = 1/32).
     assert repeats == 200 and 170 < both_asked < 200
+
+
+def test_copy_warmup_is_a_curriculum_of_the_training_split_read_in_order():
+    """The first copy_warmup training sequences are copy sequences (over MQAR's ids), the rest MQAR's; held-out splits
+    are MQAR only; the training split is read in order, so the warm-up comes first in training."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+    from transformers import TrainingArguments
+
+    from qkmap_hf.training.optim import QKMapTrainer
+
+    task, length = MQARTask(num_pairs=2, num_queries=8, copy_warmup=5), 64
+    train = TaskDataset(task, length, 12, seed=0, split="train")
+    for index in range(12):
+        ids, labels = train.example(index)
+        rng = np.random.default_rng([0, 0, index])
+        expected = task.warmup_task().sequence(rng, length) if index < 5 else task.sequence(rng, length)
+        assert np.array_equal(ids, expected[0]) and np.array_equal(labels, expected[1])
+        assert ((labels != IGNORE_INDEX).sum() == (15 if index < 5 else 8)) and ids.max() < 192
+    assert train.ordered and not TaskDataset(MQARTask(), length, 12, 0, "train").ordered
+    report = TaskDataset(task, length, 5, seed=0, split="report")
+    assert not report.ordered and all((report.example(i)[1] != IGNORE_INDEX).sum() == 8 for i in range(5))
+
+    model = QKMapForCausalLM(QKMapConfig(**tiny_config_kwargs()))
+    args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+    assert isinstance(QKMapTrainer(model=model, args=args, train_dataset=train)._get_train_sampler(), SequentialSampler)
+    plain = TaskDataset(MQARTask(), length, 12, 0, "train")
+    assert isinstance(QKMapTrainer(model=model, args=args, train_dataset=plain)._get_train_sampler(), RandomSampler)
 
 
 def test_evidence_depth_and_answer_levels_are_spread():
@@ -118,8 +160,12 @@ def test_parse_task_and_spec():
     assert task_spec(parse_task("salience")) == "salience:levels=128,ranking_seed=0"
     for task in (MQARTask(num_pairs=3), MQARTask(num_pairs=3, num_queries=2), SalienceTask(levels=16)):
         assert parse_task(task_spec(task)) == task
-    with pytest.raises(ValueError, match="unknown task 'copy'; choose one of: mqar, salience"):
-        parse_task("copy")
+    assert parse_task("mqar:copy_warmup=100") == MQARTask(copy_warmup=100)
+    assert "copy_warmup" not in task_spec(MQARTask())  # recorded specs of tasks without the curriculum unchanged
+    with pytest.raises(ValueError, match="unknown task 'recall'; choose one of: mqar, salience, copy"):
+        parse_task("recall")
+    with pytest.raises(ValueError, match="block 24 cannot hold a chunk of 16 twice"):
+        TaskDataset(MQARTask(copy_warmup=10), 24, 1, 0, "train")
     with pytest.raises(ValueError, match="pairs not a field of mqar"):
         parse_task("mqar:pairs=4")
     with pytest.raises(ValueError, match=r"num_queries >= 1 \(0\)"):

@@ -169,6 +169,15 @@ class QKMapTrainer(Trainer):
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
+    def _get_train_sampler(self, *args, **kwargs):
+        """Trainer's sampler, except in order for a dataset whose order is its curriculum (``ordered``: a synthetic
+        task with ``copy_warmup``), so training step ``s`` sees examples ``s * batch ...``."""
+        dataset = args[0] if args else kwargs.get("train_dataset")
+        dataset = self.train_dataset if dataset is None else dataset
+        if getattr(dataset, "ordered", False):
+            return torch.utils.data.SequentialSampler(dataset)
+        return super()._get_train_sampler(*args, **kwargs)
+
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint save; a failure (a full disk) becomes one line naming the checkpoint folder and the
         space it needs (``guards.save_failed``). ``--resume`` skips the incomplete folder."""
