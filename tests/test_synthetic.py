@@ -270,6 +270,27 @@ def test_the_best_arm_learns_the_smallest_reported_instance_above_90_percent(tmp
     assert accuracies[-1][0] == LEARNED_STEPS and accuracies[-1][1] > 0.9
 
 
+# MQAR is learned through the copy curriculum (docs/synthetic-tasks.md, "Third round"): standard attention at the
+# pilot's rate, batch 32, 1000 steps of copying then MQAR (8 queries with replacement: no answer by elimination).
+CURRICULUM_TASK, CURRICULUM_STEPS = "mqar:num_pairs=2,num_queries=8,copy_warmup=32000", 1250
+
+
+@pytest.mark.slow
+def test_mqar_is_learned_above_90_percent_after_the_copy_curriculum(tmp_path):
+    from qkmap_hf.training.compare import CompareOptions, parse_variant, run_comparison
+
+    options = CompareOptions(
+        output_dir=str(tmp_path / "out"), task=CURRICULUM_TASK, preset="tiny", block_size=64, batch_size=32,
+        steps=CURRICULUM_STEPS, seeds=1, first_seed=7, learning_rate=3e-3, eval_steps=CURRICULUM_STEPS,
+        max_eval_blocks=256, variants=[parse_variant("standard")], monitor_steps=0,
+    )  # fmt: skip
+    run_comparison(options)
+    record = json.loads((tmp_path / "out" / "runs" / "standard-seed7" / "qkmap_training.json").read_text())
+    accuracies = [(h["step"], h["eval_accuracy"]) for h in record["log_history"] if "eval_accuracy" in h]
+    assert accuracies[0] == (0, pytest.approx(0.0, abs=0.05))  # untrained: 1 / 64 values
+    assert accuracies[-1][0] == CURRICULUM_STEPS and accuracies[-1][1] > 0.9
+
+
 def test_evidence_layouts_find_the_asked_pair_or_the_top_item_and_the_distractors():
     from qkmap_hf.task_probes import evidence_layouts
 
