@@ -13,6 +13,13 @@ Models (SmolLM2-135M geometry: 30 layers, 9/3 heads, head_dim 64; ``--layers`` s
 
     python benchmarks/serving.py --output-dir runs/serving --rounds 5
     python benchmarks/serving.py --output-dir runs/serving-smoke --layers 2 --rounds 2 --new-tokens 8   # smoke
+    python benchmarks/serving.py --engines vllm --prompts 4 --prompt-len 1024 --new-tokens 16 --rounds 1 \
+        --profile --output-dir runs/serving-profile                      # where vLLM spends each model's time
+
+``--profile`` (vLLM): after the timed rounds, one more batch per model under torch.profiler, the engine core in the
+worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set for every round of a profiled run): each model's op
+table goes to ``profile-vllm-<model>.txt`` and one Markdown table of the top ops' self time, per model and
+against Llama, to ``profile-vllm.md``.
 
 Needs the vLLM venv for the vLLM engine (``bash scripts/setup_vllm.sh``); ``--engines transformers`` skips it.
 """
@@ -55,6 +62,17 @@ params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
 batch = [{"prompt_token_ids": p} for p in prompts]
 llm.generate(batch, params, use_tqdm=False)  # warm-up
 for line in sys.stdin:
+    if line.strip() == "profile":
+        from torch.profiler import profile
+        with profile() as prof:
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+        events = prof.key_averages()
+        self_ms = {e.key: e.self_cpu_time_total / 1e3 for e in events}
+        table = events.table(sort_by="self_cpu_time_total", row_limit=25)
+        print("@@", json.dumps({"seconds": seconds, "self_ms": self_ms, "table": table}), flush=True)
+        continue
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -117,12 +135,14 @@ class TransformersEngine:
 class VLLMEngine:
     """A vLLM worker process per model (its venv), told to run the batch one line at a time (interleaving)."""
 
-    def __init__(self, folder: Path, prompts: list[list[int]], new_tokens: int, log: Path):
+    def __init__(self, folder: Path, prompts: list[list[int]], new_tokens: int, log: Path, in_process: bool = False):
         python = vllm_python()
         if python is None:
             raise SystemExit("vLLM is not installed: run `bash scripts/setup_vllm.sh` or pass --engines transformers")
         max_len = max(len(p) for p in prompts) + new_tokens + 16
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
+        if in_process:  # the engine core in this worker, so that torch.profiler sees the model's ops
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
             [python, "-c", VLLM_WORKER, str(folder), json.dumps(prompts), str(new_tokens), str(max_len)],
@@ -144,6 +164,12 @@ class VLLMEngine:
         self.process.stdin.flush()
         return json.loads(self.read_line())
 
+    def profile(self) -> dict:
+        """One batch under torch.profiler: ``{"seconds", "self_ms": {op: self CPU ms}, "table"}``."""
+        self.process.stdin.write("profile\n")
+        self.process.stdin.flush()
+        return json.loads(self.read_line())
+
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait(60)
@@ -156,7 +182,8 @@ def measure(engine: str, folders: dict[str, Path], args, output_dir: Path) -> li
     engines = {}
     for name, folder in folders.items():
         if engine == "vllm":
-            engines[name] = VLLMEngine(folder, prompts, args.new_tokens, output_dir / f"vllm-{name}.log")
+            log = output_dir / f"vllm-{name}.log"
+            engines[name] = VLLMEngine(folder, prompts, args.new_tokens, log, in_process=args.profile)
         else:
             engines[name] = TransformersEngine(folder, prompts, args.new_tokens)
     times: dict[str, list[float]] = {name: [] for name in folders}
@@ -167,6 +194,13 @@ def measure(engine: str, folders: dict[str, Path], args, output_dir: Path) -> li
             assert result["tokens"] == args.prompts * args.new_tokens, result
             times[name].append(result["seconds"])
             print(f"[{engine}] round {round_index + 1} {name}: {result['seconds']:.3f} s", flush=True)
+    if args.profile and engine == "vllm":
+        profiles = {name: engines[name].profile() for name in names}
+        for name, result in profiles.items():
+            (output_dir / f"profile-vllm-{name}.txt").write_text(result["table"])
+        table = profile_table({name: result["self_ms"] for name, result in profiles.items()})
+        (output_dir / "profile-vllm.md").write_text(table)
+        print(table, flush=True)
     rows = []
     base = statistics.median(times["llama"])
     for name in names:
@@ -182,6 +216,27 @@ def measure(engine: str, folders: dict[str, Path], args, output_dir: Path) -> li
     return rows
 
 
+def profile_table(self_ms: dict[str, dict[str, float]], top: int = 8, reference: str = "llama") -> str:
+    """Markdown: the ``top`` ops by self time over every model, each model's ms and its difference to ``reference``'s,
+    then the total; the ops that explain where one model's extra time goes."""
+    names = list(self_ms)
+    ops = sorted(
+        {op for times in self_ms.values() for op in times},
+        key=lambda op: -max(t.get(op, 0.0) for t in self_ms.values()),
+    )
+    header = "| op | " + " | ".join(f"{name} ms" for name in names) + " |"
+    lines = [header, "|" + "---|" * (len(names) + 1)]
+
+    def cells(values: dict[str, float]) -> str:
+        base = values[reference]
+        return " | ".join(f"{values[n]:.1f}" + ("" if n == reference else f" ({values[n] - base:+.1f})") for n in names)
+
+    for op in ops[:top]:
+        lines.append(f"| `{op}` | " + cells({n: self_ms[n].get(op, 0.0) for n in names}) + " |")
+    lines.append("| all ops | " + cells({n: sum(self_ms[n].values()) for n in names}) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, type=Path)
@@ -191,6 +246,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="vLLM: one more batch per model under torch.profiler")
     args = parser.parse_args()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     folders = build_models(args.output_dir / f"models-{args.layers}l", args.layers)
