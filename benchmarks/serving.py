@@ -55,12 +55,12 @@ from vllm import LLM, SamplingParams
 folder, prompts, new_tokens, max_len = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = LLM(model=folder, trust_remote_code=True, model_impl="transformers", dtype="float32", max_model_len=max_len,
           seed=0, max_num_seqs=len(prompts))
+params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+batch = [{"prompt_token_ids": p} for p in prompts]
+llm.generate(batch, params, use_tqdm=False)  # warm-up, before answering: the next model's start must not overlap it
 config = llm.llm_engine.vllm_config.cache_config
 blocks = getattr(config, "num_gpu_blocks", None) or getattr(config, "num_cpu_blocks", None)
 print("@@", json.dumps({"kv_tokens": blocks * config.block_size if blocks else None}), flush=True)
-params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-batch = [{"prompt_token_ids": p} for p in prompts]
-llm.generate(batch, params, use_tqdm=False)  # warm-up
 for line in sys.stdin:
     if line.strip() == "profile":
         from torch.profiler import profile
