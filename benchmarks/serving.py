@@ -19,7 +19,11 @@ Models (SmolLM2-135M geometry: 30 layers, 9/3 heads, head_dim 64; ``--layers`` s
 ``--profile`` (vLLM): after the timed rounds, one more batch per model under torch.profiler, the engine core in the
 worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set for every round of a profiled run): each model's op
 table goes to ``profile-vllm-<model>.txt`` and one Markdown table of the top ops' self time, per model and
-against Llama, to ``profile-vllm.md``.
+against Llama, to ``profile-vllm.md``. transformers' continuous batching runs the model in a thread of its own,
+which torch.profiler does not follow; sample it one model per process instead (``pip install py-spy``):
+
+    py-spy record --rate 50 --format raw --threads -o wide.raw -- python benchmarks/serving.py --engines transformers \
+        --models qkmap-wide --prompts 4 --prompt-len 1024 --new-tokens 32 --rounds 1 --output-dir runs/cb-profile
 
 Needs the vLLM venv for the vLLM engine (``bash scripts/setup_vllm.sh``); ``--engines transformers`` skips it.
 """
@@ -80,11 +84,14 @@ for line in sys.stdin:
 """
 
 
+MODELS = ("llama", "qkmap-wide", "qkmap-compact")
+
+
 def build_models(root: Path, layers: int) -> dict[str, Path]:
     """The three folders (random weights, seed 0), written once under ``root``."""
     from qkmap_hf.training.data import byte_level_tokenizer
 
-    folders = {name: root / name for name in ("llama", "qkmap-wide", "qkmap-compact")}
+    folders = {name: root / name for name in MODELS}
     if all((folder / "config.json").is_file() for folder in folders.values()):
         return folders
     tokenizer = byte_level_tokenizer()  # any tokenizer: prompts are token ids
@@ -198,11 +205,11 @@ def measure(engine: str, folders: dict[str, Path], args, output_dir: Path) -> li
         profiles = {name: engines[name].profile() for name in names}
         for name, result in profiles.items():
             (output_dir / f"profile-vllm-{name}.txt").write_text(result["table"])
-        table = profile_table({name: result["self_ms"] for name, result in profiles.items()})
+        table = profile_table({name: result["self_ms"] for name, result in profiles.items()}, reference=names[0])
         (output_dir / "profile-vllm.md").write_text(table)
         print(table, flush=True)
     rows = []
-    base = statistics.median(times["llama"])
+    base = statistics.median(times[names[0]])  # llama unless --models leaves it out
     for name in names:
         median = statistics.median(times[name])
         rows.append({
@@ -247,9 +254,14 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="vLLM: one more batch per model under torch.profiler")
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODELS), choices=MODELS,
+        help="models to run (ratios are to the first); one model per process is what a sampling profiler needs",
+    )  # fmt: skip
     args = parser.parse_args()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     folders = build_models(args.output_dir / f"models-{args.layers}l", args.layers)
+    folders = {name: folders[name] for name in args.models}
     rows = [row for engine in args.engines for row in measure(engine, folders, args, args.output_dir)]
     out = args.output_dir / f"serving-p{args.prompts}x{args.prompt_len}-n{args.new_tokens}.json"
     out.write_text(json.dumps(rows, indent=1))
