@@ -104,12 +104,12 @@ class QKMapFeatureMap(nn.Module):
         """``stack_query_key_parameters`` of omega and the effective gains, kept between decoded tokens.
 
         Computing them is ~5 small ops per layer and token (more under GQA) that only change when the parameters
-        do; they are recomputed when a parameter's version counter (every in-place update, ``copy_``, an optimizer
-        step), storage, dtype or device changes. A write through ``parameter.data`` bypasses the version counter:
+        do; they are recomputed when a parameter object, its version counter (every in-place update, ``copy_``, an
+        optimizer step), storage, dtype or device changes. A write through ``parameter.data`` bypasses the version counter:
         call ``forget_decoding_parameters`` after one.
         """
         parameters = (self.log_frequency, self.query_gain, self.key_gain)
-        key = (groups, *((p._version, p.data_ptr(), p.dtype, p.device) for p in parameters))
+        key = (groups, *((id(p), p._version, p.data_ptr(), p.dtype, p.device) for p in parameters))
         if self._decoding_parameters is None or self._decoding_parameters[0] != key:
             frequency = self.frequency()
             gains = (self.effective_gain(gain, frequency) for gain in (self.query_gain, self.key_gain))

@@ -38,8 +38,16 @@ IGNORE_INDEX = -100
 SPLITS = {"train": 0, "tune": 1, "report": 2}
 
 
+class SyntheticTask:
+    """What every task has: ``check(length)``, ``sequence(rng, length)``; ``training_sequence`` is ``sequence``
+    unless the task has a curriculum (the training split's sequence ``index`` may then differ)."""
+
+    def training_sequence(self, rng: np.random.Generator, length: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.sequence(rng, length)
+
+
 @dataclass(frozen=True)
-class MQARTask:
+class MQARTask(SyntheticTask):
     """Multi-query associative recall; ids: filler ``[0, 64)``, keys ``[64, 128)``, values ``[128, 192)``."""
 
     name: ClassVar[str] = "mqar"
@@ -97,7 +105,7 @@ class MQARTask:
 
 
 @dataclass(frozen=True)
-class CopyTask:
+class CopyTask(SyntheticTask):
     """Dense content-based copying: a random ``chunk`` of ids in ``[0, vocab)`` repeated after a random gap, among
     random ids; every repeated token after the first is a label (the first cannot be predicted)."""
 
@@ -121,12 +129,9 @@ class CopyTask:
         labels[repeat + 1 : repeat + self.chunk] = ids[repeat + 1 : repeat + self.chunk]
         return ids, labels
 
-    def training_sequence(self, rng: np.random.Generator, length: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.sequence(rng, length)
-
 
 @dataclass(frozen=True)
-class SalienceTask:
+class SalienceTask(SyntheticTask):
     """Highest-priority item; ids: items ``[0, levels)``, the query token ``levels``."""
 
     name: ClassVar[str] = "salience"
@@ -157,9 +162,6 @@ class SalienceTask:
         labels = np.full(length, IGNORE_INDEX)
         labels[context + 1] = answer
         return ids, labels
-
-    def training_sequence(self, rng: np.random.Generator, length: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.sequence(rng, length)
 
 
 TASKS: dict[str, type] = {task.name: task for task in (MQARTask, SalienceTask, CopyTask)}
