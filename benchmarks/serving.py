@@ -166,16 +166,18 @@ class VLLMEngine:
         self.log.flush()
         raise RuntimeError(f"the vLLM worker exited; see {self.log.name}")
 
-    def run(self) -> dict:
-        self.process.stdin.write("run\n")
+    def ask(self, command: str) -> dict:
+        """Send the worker one command line and return its JSON answer."""
+        self.process.stdin.write(f"{command}\n")
         self.process.stdin.flush()
         return json.loads(self.read_line())
 
+    def run(self) -> dict:
+        return self.ask("run")
+
     def profile(self) -> dict:
         """One batch under torch.profiler: ``{"seconds", "self_ms": {op: self CPU ms}, "table"}``."""
-        self.process.stdin.write("profile\n")
-        self.process.stdin.flush()
-        return json.loads(self.read_line())
+        return self.ask("profile")
 
     def close(self) -> None:
         self.process.stdin.close()

@@ -42,6 +42,11 @@ class SyntheticTask:
     """What every task has: ``check(length)``, ``sequence(rng, length)``; ``training_sequence`` is ``sequence``
     unless the task has a curriculum (the training split's sequence ``index`` may then differ)."""
 
+    @property
+    def curriculum(self) -> bool:
+        """Whether ``training_sequence`` depends on ``index`` (the training split must then be read in order)."""
+        return False
+
     def training_sequence(self, rng: np.random.Generator, length: int, index: int) -> tuple[np.ndarray, np.ndarray]:
         return self.sequence(rng, length)
 
@@ -80,6 +85,10 @@ class MQARTask(SyntheticTask):
     def warmup_task(self) -> CopyTask:
         """The ``copy`` task of the curriculum, over every id MQAR uses."""
         return CopyTask(vocab=self.filler_vocab + self.key_vocab + self.value_vocab)
+
+    @property
+    def curriculum(self) -> bool:
+        return bool(self.copy_warmup)
 
     def training_sequence(self, rng: np.random.Generator, length: int, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Training sequence ``index``: a ``copy`` sequence while ``index < copy_warmup``, else an MQAR one."""
@@ -211,7 +220,7 @@ class TaskDataset(Dataset):
     def ordered(self) -> bool:
         """Whether the Trainer must read it in order (``QKMapTrainer``): a training split with a curriculum. Other
         splits need no shuffling either (every example is an independent draw) but keep the default sampler."""
-        return self.split == "train" and bool(getattr(self.task, "copy_warmup", None))
+        return self.split == "train" and self.task.curriculum
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids, labels = self.example(index)
