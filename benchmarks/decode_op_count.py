@@ -1,0 +1,90 @@
+"""Ops dispatched to decode one token, standard attention against QK-MAP (docs/performance.md, "Decode again").
+
+Counts every aten op a decoding step dispatches (a ``TorchDispatchMode``), for a 2-layer model of one grid shape
+(``--head-dim``, ``--heads``, ``--kv-heads``; hidden = heads x head_dim), sdpa, after a 16-token prefill. QK-MAP is
+counted as it runs (omega and the gains' rows kept between tokens) and with those rows recomputed every token, as
+before they were kept. Prints the totals and the ops whose counts differ.
+
+    python benchmarks/decode_op_count.py --head-dim 64 --heads 2 --kv-heads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qkmap_hf.modeling.configuration_qkmap import QKMapConfig  # noqa: E402
+from qkmap_hf.modeling.construction_qkmap import QKMapFeatureMap  # noqa: E402
+from qkmap_hf.modeling.modeling_qkmap import QKMapForCausalLM  # noqa: E402
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_ops(head_dim: int, heads: int, kv_heads: int, **fields) -> Counter[str]:
+    """The ops of the second decoded token (the first fills what is kept between tokens)."""
+    config = QKMapConfig(
+        vocab_size=256, hidden_size=heads * head_dim, intermediate_size=352, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=2048,
+        attn_implementation="sdpa", **fields,
+    )  # fmt: skip
+    model = QKMapForCausalLM(config).eval()
+    cache = DynamicCache(config=model.config)
+    token = torch.tensor([[5]])
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+        model(token, past_key_values=cache)
+        with OpCounter() as counter:
+            model(token, past_key_values=cache)
+    return counter.ops
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    args = parser.parse_args()
+    shape = (args.head_dim, args.heads, args.kv_heads)
+    compact = {"qk_mode": "qk_map", "qkmap_input_dim": args.head_dim // 2}
+    counts = {"standard": decode_ops(*shape, qk_mode="standard"), "compact": decode_ops(*shape, **compact)}
+    kept = QKMapFeatureMap.decoding_parameters
+
+    def recomputed(self, groups):
+        self.forget_decoding_parameters()
+        return kept(self, groups)
+
+    QKMapFeatureMap.decoding_parameters = recomputed
+    try:
+        counts["compact, rows recomputed"] = decode_ops(*shape, **compact)
+    finally:
+        QKMapFeatureMap.decoding_parameters = kept
+    print(", ".join(f"{name}: {sum(ops.values())} ops" for name, ops in counts.items()))
+    names = sorted(set().union(*counts.values()))
+    print(f"{'op':24s}" + "".join(f"{name:>26s}" for name in counts))
+    for op in names:
+        row = [ops[op] for ops in counts.values()]
+        if len(set(row)) > 1:
+            print(f"{op:24s}" + "".join(f"{count:26d}" for count in row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
