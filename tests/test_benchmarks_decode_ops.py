@@ -1,0 +1,34 @@
+"""benchmarks/decode_op_count.py: the ops one decoded token dispatches (issue 23, docs/performance.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from decode_op_count import decode_ops  # noqa: E402
+
+from qkmap_hf.modeling.construction_qkmap import QKMapFeatureMap  # noqa: E402
+
+
+def test_decode_op_count_sees_the_kept_rows_skip_omega_and_the_gains():
+    """benchmarks/decode_op_count.py: a decoded token with the kept rows dispatches no ``exp`` (omega) and fewer
+    ``cat``s than with the rows recomputed, and standard attention none of the feature map's trig."""
+    compact = {"qk_mode": "qk_map", "qkmap_input_dim": 8}
+    kept = decode_ops(16, 4, 2, **compact)
+    original = QKMapFeatureMap.decoding_parameters
+
+    def recomputed(self, groups):
+        self.forget_decoding_parameters()
+        return original(self, groups)
+
+    QKMapFeatureMap.decoding_parameters = recomputed
+    try:
+        fresh = decode_ops(16, 4, 2, **compact)
+    finally:
+        QKMapFeatureMap.decoding_parameters = original
+    assert kept["exp"] == 0 and fresh["exp"] == 2  # one omega per layer, 2 layers
+    # GQA: repeat_interleave of omega and the query gains (expand + clone) once, not per token; two cats fewer per layer
+    assert (fresh["clone"], kept["clone"]) == (4, 0) and fresh["cat"] - kept["cat"] == 4
+    assert sum(fresh.values()) > sum(kept.values())
+    assert decode_ops(16, 4, 2, qk_mode="standard")["sin"] == 1  # the rotary table only
