@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,6 +58,22 @@ def decode_ops(head_dim: int, heads: int, kv_heads: int, **fields) -> Counter[st
     return counter.ops
 
 
+@contextmanager
+def rows_recomputed() -> Iterator[None]:
+    """Decoding as before the rows were kept: omega and the gains' rows recomputed every token."""
+    kept = QKMapFeatureMap.decoding_parameters
+
+    def recomputed(self, groups):
+        self.forget_decoding_parameters()
+        return kept(self, groups)
+
+    QKMapFeatureMap.decoding_parameters = recomputed
+    try:
+        yield
+    finally:
+        QKMapFeatureMap.decoding_parameters = kept
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -65,17 +83,8 @@ def main() -> int:
     shape = (args.head_dim, args.heads, args.kv_heads)
     compact = {"qk_mode": "qk_map", "qkmap_input_dim": args.head_dim // 2}
     counts = {"standard": decode_ops(*shape, qk_mode="standard"), "compact": decode_ops(*shape, **compact)}
-    kept = QKMapFeatureMap.decoding_parameters
-
-    def recomputed(self, groups):
-        self.forget_decoding_parameters()
-        return kept(self, groups)
-
-    QKMapFeatureMap.decoding_parameters = recomputed
-    try:
+    with rows_recomputed():
         counts["compact, rows recomputed"] = decode_ops(*shape, **compact)
-    finally:
-        QKMapFeatureMap.decoding_parameters = kept
     print(", ".join(f"{name}: {sum(ops.values())} ops" for name, ops in counts.items()))
     names = sorted(set().union(*counts.values()))
     print(f"{'op':24s}" + "".join(f"{name:>26s}" for name in counts))

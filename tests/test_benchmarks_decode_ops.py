@@ -6,9 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from decode_op_count import decode_ops  # noqa: E402
-
-from qkmap_hf.modeling.construction_qkmap import QKMapFeatureMap  # noqa: E402
+from decode_op_count import decode_ops, rows_recomputed  # noqa: E402
 
 
 def test_decode_op_count_sees_the_kept_rows_skip_omega_and_the_gains():
@@ -16,17 +14,8 @@ def test_decode_op_count_sees_the_kept_rows_skip_omega_and_the_gains():
     ``cat``s than with the rows recomputed, and standard attention none of the feature map's trig."""
     compact = {"qk_mode": "qk_map", "qkmap_input_dim": 8}
     kept = decode_ops(16, 4, 2, **compact)
-    original = QKMapFeatureMap.decoding_parameters
-
-    def recomputed(self, groups):
-        self.forget_decoding_parameters()
-        return original(self, groups)
-
-    QKMapFeatureMap.decoding_parameters = recomputed
-    try:
+    with rows_recomputed():
         fresh = decode_ops(16, 4, 2, **compact)
-    finally:
-        QKMapFeatureMap.decoding_parameters = original
     assert kept["exp"] == 0 and fresh["exp"] == 2  # one omega per layer, 2 layers
     # GQA: repeat_interleave of omega and the query gains (expand + clone) once, not per token; two cats fewer per layer
     assert (fresh["clone"], kept["clone"]) == (4, 0) and fresh["cat"] - kept["cat"] == 4
