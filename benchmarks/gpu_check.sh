@@ -8,7 +8,8 @@
 #
 # Steps, each under its own timeout, each reported PASS/FAIL in the summary at the end:
 #   1. tests/test_gpu.py on the device: bf16 against fp32 and the cache for every mode, the feature map's custom
-#      backward against the written-out formula, the wide layout's sdpa training step and decoding against eager;
+#      backward against the written-out formula, the wide layout's sdpa training step and decoding against eager,
+#      the parameter rows decoding keeps between tokens after a move to the device and an update there;
 #   2. benchmarks/kernel_paths.py: every kernel path of the wide layout (sdpa with padded values and
 #      single_query_attention decoding, flex_attention with unpadded values, flash-attention 2) against eager:
 #      forward, backward, greedy decoding; a missing path is a failure, named with the reason;

@@ -5,7 +5,7 @@ On report-split sequences of the task (``qkmap_hf.training.synthetic``), from ea
 asked key in the query region; salience: the query token), whose next-token prediction is the answer:
 
 - **evidence contrast** (claim 4): ``log2`` of the attention per token of the evidence (MQAR: the asked pair's key
-  and value in the context; salience: the highest-priority item) over the attention per token of the distractors
+  and value in the context, and any earlier query of the same key with its answer; salience: the highest-priority item) over the attention per token of the distractors
   (MQAR: the other pairs; salience: every other item), per layer and head (``attention_measures.log2_lift``, the
   one formula, which ``qkmap analyze``'s needle contrasts in ``diagnostics.contrast`` use too); the mean over heads
   and the best head per layer;
@@ -55,8 +55,11 @@ def evidence_layouts(task, ids: np.ndarray) -> list[EvidenceLayout]:
         layouts = []
         for position in range(context, len(ids), 2):
             asked = key_positions[int(ids[position])]
+            # A key asked again (queries drawn with replacement) also has its earlier query-region pair as evidence:
+            # an induction head may copy the value from there.
+            repeats = tuple(p for q in range(context, position, 2) if ids[q] == ids[position] for p in (q, q + 1))
             others = tuple(p for k in key_positions.values() if k != asked for p in (k, k + 1))
-            layouts.append(EvidenceLayout(position, (asked, asked + 1), others, asked))
+            layouts.append(EvidenceLayout(position, (asked, asked + 1, *repeats), others, asked))
         return layouts
     if isinstance(task, SalienceTask):
         context = len(ids) - 2

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from qkmap_hf import QKMapConfig, qkmap_features
-from tests.test_feature_map import random_inputs
+from tests.test_feature_map import decoding_feature_map, random_inputs, uncached_features
 from tests.utils import kl_per_token, tiny_config_kwargs, written_out_features
 
 DEVICE = os.environ.get("QKMAP_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
@@ -83,6 +83,23 @@ def test_wide_keys_sdpa_trains_and_decodes_like_eager():
         )
         expected, got = eager.eval().generate(ids, **settings), sdpa.eval().generate(ids, **settings)
     assert max((a - b).abs().max().item() for a, b in zip(expected.logits, got.logits, strict=True)) < 1e-3
+
+
+def test_decoding_rows_kept_between_tokens_follow_a_move_to_the_device_and_updates_there():
+    """The rows a decoding model keeps between tokens (``QKMapFeatureMap.decoding_parameters``) are rebuilt when
+    the model moves to the device in bf16 and after an in-place update there: the same bits as recomputing."""
+    feature_map, inputs = decoding_feature_map(num_freq=2, groups=2)
+    with torch.no_grad():
+        feature_map(*inputs)  # rows kept on the CPU in float32
+        feature_map.to(DEVICE, torch.bfloat16)
+        on_device = [t.to(DEVICE, torch.bfloat16) for t in inputs]
+        moved = feature_map(*on_device)
+        assert moved[0].device.type == torch.device(DEVICE).type and moved[0].dtype == torch.bfloat16
+        assert all(torch.equal(a, b) for a, b in zip(moved, uncached_features(feature_map, *on_device), strict=True))
+        feature_map.query_gain.mul_(2.0)
+        updated = feature_map(*on_device)
+        assert not torch.equal(updated[0], moved[0]) and torch.equal(updated[1], moved[1])
+        assert all(torch.equal(a, b) for a, b in zip(updated, uncached_features(feature_map, *on_device), strict=True))
 
 
 def test_training_monitor_probe_on_device_in_bf16_stays_under_its_bound():

@@ -303,6 +303,15 @@ def test_evidence_layouts_find_the_asked_pair_or_the_top_item_and_the_distractor
         assert ids[asked] == ids[answer.position] and ids[asked + 1] == labels[answer.position + 1]
         assert answer.evidence == (asked, asked + 1) and len(answer.distractors) == 6
         assert not set(answer.evidence) & set(answer.distractors)
+    # Queries drawn with replacement: a key asked again has its earlier query and answer as evidence too.
+    task = MQARTask(num_pairs=2, num_queries=8)
+    ids, _ = TaskDataset(task, 32, 1, 0, "report").example(0)
+    answers = evidence_layouts(task, ids)
+    for index, answer in enumerate(answers):
+        earlier = [a.position for a in answers[:index] if ids[a.position] == ids[answer.position]]
+        assert answer.evidence == (answer.key, answer.key + 1, *(p for q in earlier for p in (q, q + 1)))
+        assert len(answer.distractors) == 2 and not set(answer.evidence) & set(answer.distractors)
+    assert max(len(a.evidence) for a in answers) >= 6  # some key was asked at least three times
     salience = SalienceTask(levels=16)
     for index in range(8):
         ids, labels = TaskDataset(salience, 24, 8, 0, "report").example(index)
