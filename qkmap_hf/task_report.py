@@ -5,7 +5,8 @@
 seeds, report split) and writes ``task_report.json``, ``task_report.md`` and ``accuracy_curves.png``: per sweep and
 arm the final report-split accuracy (mean over seeds, paired 95 % interval over seeds against ``standard`` and
 ``qk_norm``), the first evaluated step at which each seed reached 50 % and 90 % (the mean over seeds that did; how
-many did), and the accuracy against training steps.
+many did), the accuracy against training steps, and each arm's tuning choice (``tuning``: flagged where it sits
+on its grid's edge).
 
 With ``--generalize TASK@LENGTH,LENGTH ...`` it also loads each arm's saved report models (``--save-models``) and
 scores them on other instances of their task (``task_probes.task_accuracy``: report-split sequences), e.g.
@@ -90,6 +91,51 @@ def versus_baselines(values: dict[str, dict[int, float]], arm: str) -> dict[str,
             if common:
                 entry[f"vs_{baseline}"] = paired_interval([values[arm][s] - values[baseline][s] for s in common])
     return entry
+
+
+def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
+    """``{arm: {"choice", "tuning_loss", "points", "edges"}}`` from the ``summary.json`` of a sweep and its shards: the
+    setting each arm was reported at, its tuning-split loss (mean over tuning seeds), how many grid points ran, and
+    the tuned knobs whose choice sits on an edge of their grid (there the grid was too small to say it is best)."""
+    choices: dict[str, dict[str, Any]] = {}
+    for folder in _sweep_folders(sweep):
+        path = folder / "summary.json"
+        if not path.is_file():
+            continue
+        summary = json.loads(path.read_text())
+        grid = summary.get("settings", {}).get("tune", {})
+        for arm, entry in summary.get("arms", {}).items():
+            if not entry.get("choice"):
+                continue
+            values = entry.get("choice_values", {})
+            losses = entry.get("tuning_losses", {}).get(entry["choice"], {})
+            choices[arm] = {
+                "choice": values,
+                "tuning_loss": statistics.fmean(losses.values()) if losses else None,
+                "points": len(entry.get("tuning_losses", {})),
+                "edges": [
+                    k for k, v in values.items() if len(grid.get(k, [])) > 1 and v in (min(grid[k]), max(grid[k]))
+                ],
+            }
+    return choices
+
+
+def tuning_markdown(tuning: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = []
+    for sweep, arms in tuning.items():
+        knobs = sorted({k for a in arms.values() for k in a["choice"]})
+        lines += [
+            f"### {sweep}: tuning choices (lowest tuning-split loss; * on its grid's edge)",
+            "",
+            "| arm | " + " | ".join(knobs) + " | tuning loss | grid points |",
+            "|---|" + "---|" * (len(knobs) + 2),
+        ]
+        for arm, a in sorted(arms.items()):
+            cells = [f"{a['choice'][k]:g}{'*' if k in a['edges'] else ''}" if k in a["choice"] else "-" for k in knobs]
+            loss = f"{a['tuning_loss']:.4f}" if a["tuning_loss"] is not None else "-"
+            lines.append(f"| {arm} | " + " | ".join(cells) + f" | {loss} | {a['points']} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 PROBE_ANALYSIS = Path("analysis") / "task_analysis.json"  # where benchmarks/synthetic_tasks.sh writes the probes
@@ -365,12 +411,15 @@ def build_report(
     reports = {name: summarize(curves) for name, curves in all_curves.items() if curves}
     output.mkdir(parents=True, exist_ok=True)
     text = markdown(reports)
+    tuning = {sweep.name: choices for sweep in sweeps if (choices := tuning_choices(sweep))}
+    if tuning:
+        text += "\n" + tuning_markdown(tuning)
     probes = {sweep.name: summary for sweep in sweeps if (summary := probe_summary(sweep))}
     if probes:
         text += "\n" + probe_markdown(probes)
         reports = {**reports, "probes": probes}
     verdicts = {name: claim_verdicts(reports[name], probes.get(name, {})) for name in all_curves if name in reports}
-    reports = {**reports, "verdicts": verdicts}
+    reports = {**reports, "verdicts": verdicts, **({"tuning": tuning} if tuning else {})}
     for name, by_claim in verdicts.items():
         text += f"\n### {name}: verdicts for qk_map ({VERDICT_NOTE})\n\n"
         text += "\n".join(f"- {claim}: **{result}**" for claim, result in by_claim.items()) + "\n"

@@ -384,7 +384,27 @@ def test_task_report_reads_report_runs_steps_to_thresholds_and_paired_intervals(
         folder.mkdir(parents=True)
         history = [{"step": 100 * i, "eval_accuracy": a, "eval_loss": 1.0} for i, a in enumerate(accuracies)]
         (folder / "qkmap_training.json").write_text(json.dumps({"log_history": history}))
-    report = build_report([tmp_path / "mqar"], tmp_path / "out")["mqar"]
+    # Each shard's summary.json holds its arms' tuning: the choice, its tuning losses, the grid.
+    grid = {"learning_rate": [1e-3, 3e-3, 1e-2], "logit_scale_multiplier": [1, 4]}
+    shard = {
+        "standard": ({"learning_rate": 3e-3, "logit_scale_multiplier": 4}, [0.5, 0.7]),
+        "qk_map": ({"learning_rate": 1e-3, "logit_scale_multiplier": 1}, [0.2, 0.4]),
+    }
+    for index, (arm, (values, losses)) in enumerate(shard.items()):
+        choice = ";".join(f"{k}={v}" for k, v in values.items())
+        tuning_losses = {choice: {"1000": losses[0], "1001": losses[1]}, "other": {"1000": 9.0, "1001": 9.0}}
+        summary = {"settings": {"tune": grid}, "arms": {arm: {"choice": choice, "choice_values": values,
+                                                             "tuning_losses": tuning_losses}}}  # fmt: skip
+        (tmp_path / "mqar" / f"shard-{index}").mkdir()
+        (tmp_path / "mqar" / f"shard-{index}" / "summary.json").write_text(json.dumps(summary))
+    built = build_report([tmp_path / "mqar"], tmp_path / "out")
+    assert built["tuning"]["mqar"]["standard"] == {
+        "choice": shard["standard"][0], "tuning_loss": pytest.approx(0.6), "points": 2, "edges": ["logit_scale_multiplier"]
+    }  # fmt: skip
+    assert built["tuning"]["mqar"]["qk_map"]["edges"] == ["learning_rate", "logit_scale_multiplier"]
+    text = (tmp_path / "out" / "task_report.md").read_text()
+    assert "| qk_map | 0.001* | 1* | 0.3000 | 2 |" in text and "| standard | 0.003 | 4* | 0.6000 | 2 |" in text
+    report = built["mqar"]
     assert report["standard"]["steps_to_50"] == {"mean": 200.0, "reached": "1/2"}
     assert report["qk_map"]["steps_to_50"] == {"mean": 100.0, "reached": "2/2"}
     assert report["qk_map"]["steps_to_90"] == {"mean": 250.0, "reached": "2/2"}
