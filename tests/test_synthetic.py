@@ -270,8 +270,9 @@ def test_the_best_arm_learns_the_smallest_reported_instance_above_90_percent(tmp
     assert accuracies[-1][0] == LEARNED_STEPS and accuracies[-1][1] > 0.9
 
 
-# MQAR is learned through the copy curriculum (docs/synthetic-tasks.md, "Third round"): standard attention at the
-# pilot's rate, batch 32, 1000 steps of copying then MQAR (8 queries with replacement: no answer by elimination).
+# MQAR is learned through the copy curriculum (docs/synthetic-tasks.md, "Results: MQAR with the copy curriculum"):
+# standard attention at its tuned rate there (3e-3, temperature x1), batch 32, 1000 steps of copying then MQAR (8
+# queries with replacement: no answer by elimination); the sweep's report instance, at 1250 of its 2000 steps.
 CURRICULUM_TASK, CURRICULUM_STEPS = "mqar:num_pairs=2,num_queries=8,copy_warmup=32000", 1250
 
 
