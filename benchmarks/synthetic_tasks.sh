@@ -3,8 +3,8 @@
 #
 # Per task instance (INSTANCES, "TASK@LENGTH" each): every arm on preset tiny (2 layers x 64, 4 heads x 16, GQA 4/2),
 # batch BATCH_SIZE (16), STEPS steps, answer-only loss, evaluated every 100 steps; tuned on learning rate
-# (LEARNING_RATES) x temperature (logit_scale_multiplier {1, 4}) on the tuning split with tuning seed 1000, each
-# arm's choice rerun with report seeds 0, 1, 2 on the disjoint report split and saved. The instances run side by
+# (LEARNING_RATES) x temperature (logit_scale_multiplier: TEMPERATURES, 1,4) on the tuning split with tuning seed
+# 1000, each arm's choice rerun with report seeds 0, 1, 2 on the disjoint report split and saved. The instances run side by
 # side, one niced one-thread process each (SHARDS=1 of benchmarks/sharded_compare.sh; SHARDS=2 splits an instance's
 # arms over two). Then the accuracy report (qkmap_hf.task_report, with the saved models scored on other pair counts
 # and lengths: GENERALIZE) and `qkmap analyze --task` (evidence contrast, evidence key scale) on every saved model of
@@ -20,6 +20,7 @@ STEPS=${STEPS:-2000}
 BATCH_SIZE=${BATCH_SIZE:-16}
 SHARDS=${SHARDS:-1}
 LEARNING_RATES=${LEARNING_RATES:-1e-3,3e-3,1e-2}
+TEMPERATURES=${TEMPERATURES:-1,4}
 INSTANCES=${INSTANCES:-"mqar:num_pairs=2@64 salience:levels=128@64"}
 GENERALIZE=${GENERALIZE:-"mqar:num_pairs=1@64,128,256,512 mqar:num_pairs=2@64,128,256,512
     mqar:num_pairs=4@64,128,256,512 mqar:num_pairs=8@64,128,256,512 salience:levels=128@32,64,128,256,512"}
@@ -37,7 +38,7 @@ for instance in "${instances[@]}"; do
     bash "$(dirname "$0")/sharded_compare.sh" "$folder" "$ARMS" --task "$task" --preset tiny --block-size "$length" \
         --batch-size "$BATCH_SIZE" --steps "$STEPS" --seeds 3 --first-seed 0 --tuning-seeds 1 --tuning-first-seed 1000 \
         --max-eval-blocks 256 --eval-steps 100 --save-models --monitor-steps 0 \
-        --tune learning_rate="$LEARNING_RATES" --tune logit_scale_multiplier=1,4 "$@" &
+        --tune learning_rate="$LEARNING_RATES" --tune logit_scale_multiplier="$TEMPERATURES" "$@" &
     pids+=($!)
 done
 status=0

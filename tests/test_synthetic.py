@@ -249,7 +249,7 @@ def test_compare_task_logs_answer_accuracy(tmp_path):
 
 
 # The smallest instance the report uses (docs/synthetic-tasks.md) and the arm that is best there on the tuning split,
-# at its tuned setting (learning rate 3e-3, temperature x1; docs/synthetic-tasks.md, "Results").
+# at its tuned setting (learning rate 3e-3, temperature x1; docs/synthetic-tasks.md, "Results: the first sweep").
 LEARNED_TASK, LEARNED_LENGTH, LEARNED_STEPS = "salience:levels=128", 64, 2000
 LEARNED_ARM, LEARNED_RATE = "qk_norm", 3e-3
 
