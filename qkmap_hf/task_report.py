@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -393,7 +394,8 @@ def plot_generalization(results: dict[str, dict[str, Any]], path: Path) -> Path 
             axis.plot([int(n) for n in lengths], [statistics.fmean(values[n]) for n in lengths], marker="o", label=arm)
         axis.set_xscale("log", base=2)
         axis.set_ylim(0, 1)
-        axis.set_title(f"{sweep}\nscored on {spec}", fontsize=8)
+        scored = textwrap.fill(f"scored on {spec.replace(',', ', ')}", 60)  # full specs are wider than a panel
+        axis.set_title(f"{sweep}\n{scored}", fontsize=7)
         axis.set_xlabel("sequence length")
         axis.set_ylabel("answer accuracy (mean over seeds)")
         axis.grid(alpha=0.3)
