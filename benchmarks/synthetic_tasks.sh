@@ -4,11 +4,11 @@
 # Per task instance (INSTANCES, "TASK@LENGTH" each): every arm on preset tiny (2 layers x 64, 4 heads x 16, GQA 4/2),
 # batch BATCH_SIZE (16), STEPS steps, answer-only loss, evaluated every 100 steps; tuned on learning rate
 # (LEARNING_RATES) x temperature (logit_scale_multiplier: TEMPERATURES, 1,4) on the tuning split with tuning seed
-# 1000, each arm's choice rerun with report seeds 0, 1, 2 on the disjoint report split and saved. The instances run side by
-# side, one niced one-thread process each (SHARDS=1 of benchmarks/sharded_compare.sh; SHARDS=2 splits an instance's
-# arms over two). Then the accuracy report (qkmap_hf.task_report, with the saved models scored on other pair counts
-# and lengths: GENERALIZE) and `qkmap analyze --task` (evidence contrast, evidence key scale) on every saved model of
-# every instance, which the report summarises per arm over seeds with paired intervals.
+# 1000, each arm's choice rerun with report seeds 0, 1, 2 on the disjoint report split and saved. The instances run
+# side by side, one niced one-thread process each (SHARDS=1 of benchmarks/sharded_compare.sh; SHARDS=2 splits an
+# instance's arms over two). Then the accuracy report (qkmap_hf.task_report, with the saved models scored on other
+# pair counts and lengths: GENERALIZE) and `qkmap analyze --task` (evidence contrast, evidence key scale) on every
+# saved model of every instance, which the report summarises per arm over seeds with paired intervals.
 # Arms: the modes, both position-prior controls, F = 1/2/4 at equal key width (32), the compact layout (keys as wide
 # as head_dim) and the constant-cos control. Resumable: a rerun skips finished runs; widening a grid runs only the
 # new points.

@@ -32,7 +32,7 @@ from typing import Any
 from .fileio import atomic_write_json, atomic_write_text
 from .filenames import PROVENANCE_FILES
 from .monitoring import monitor_series
-from .training.sweep import DIVERGED_FILE, forget_diverged, format_interval, paired_interval
+from .training.sweep import DIVERGED_FILE, forget_diverged, format_interval, on_grid_edge, paired_interval
 
 BASELINES = ("standard", "qk_norm")
 LEARNING_RATE = "learning_rate"
@@ -165,7 +165,7 @@ def summarize(arms: dict[str, ArmStability], grid: list[float]) -> dict[str, Any
             "sensitivity": arm.sensitivity(),
             "largest_stable_rate": arm.largest_stable(),
             "choice": choice,
-            "choice_on_grid_edge": bool(choice is not None and not missing and choice in (min(grid), max(grid))),
+            "choice_on_grid_edge": bool(choice is not None and not missing and on_grid_edge(choice, grid)),
             "report_setting": arm.report_setting,
             "report_loss_by_seed": {str(s): v for s, v in sorted(arm.report.items())},
             "report_loss_mean": statistics.fmean(arm.report.values()) if arm.report else None,

@@ -5,10 +5,10 @@ On report-split sequences of the task (``qkmap_hf.training.synthetic``), from ea
 asked key in the query region; salience: the query token), whose next-token prediction is the answer:
 
 - **evidence contrast** (claim 4): ``log2`` of the attention per token of the evidence (MQAR: the asked pair's key
-  and value in the context, and any earlier query of the same key with its answer; salience: the highest-priority item) over the attention per token of the distractors
-  (MQAR: the other pairs; salience: every other item), per layer and head (``attention_measures.log2_lift``, the
-  one formula, which ``qkmap analyze``'s needle contrasts in ``diagnostics.contrast`` use too); the mean over heads
-  and the best head per layer;
+  and value in the context, and any earlier query of the same key with its answer; salience: the highest-priority
+  item) over the attention per token of the distractors (MQAR: the other pairs; salience: every other item), per
+  layer and head (``attention_measures.log2_lift``, the one formula, which ``qkmap analyze``'s needle contrasts in
+  ``diagnostics.contrast`` use too); the mean over heads and the best head per layer;
 - **evidence key scale** (claim 2): the evidence key's ``k_proj`` output (MQAR: the asked key; salience: the
   answer item), at its context position only, scaled by each factor; reported are the attention mass the
   answering position puts on that key (mean over heads) before and after, and the share of answers that change

@@ -27,7 +27,7 @@ from typing import Any
 
 from .fileio import atomic_write_json, atomic_write_text
 from .stability import BASELINES, TRAINING_RECORD
-from .training.sweep import format_interval, paired_interval
+from .training.sweep import format_interval, on_grid_edge, paired_interval
 
 THRESHOLDS = (0.5, 0.9)
 VERDICT_NOTE = "paper_claims' rule: paired 95 % intervals over report seeds against every judged baseline"
@@ -114,9 +114,7 @@ def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
                 "choice": values,
                 "tuning_loss": statistics.fmean(losses.values()) if losses else None,
                 "points": len(entry.get("tuning_losses", {})),
-                "edges": [
-                    k for k, v in values.items() if len(grid.get(k, [])) > 1 and v in (min(grid[k]), max(grid[k]))
-                ],
+                "edges": [k for k, v in values.items() if len(grid.get(k, [])) > 1 and on_grid_edge(v, grid[k])],
             }
     return choices
 
@@ -416,12 +414,13 @@ def build_report(
     tuning = {sweep.name: choices for sweep in sweeps if (choices := tuning_choices(sweep))}
     if tuning:
         text += "\n" + tuning_markdown(tuning)
+        reports = {**reports, "tuning": tuning}
     probes = {sweep.name: summary for sweep in sweeps if (summary := probe_summary(sweep))}
     if probes:
         text += "\n" + probe_markdown(probes)
         reports = {**reports, "probes": probes}
     verdicts = {name: claim_verdicts(reports[name], probes.get(name, {})) for name in all_curves if name in reports}
-    reports = {**reports, "verdicts": verdicts, **({"tuning": tuning} if tuning else {})}
+    reports = {**reports, "verdicts": verdicts}
     for name, by_claim in verdicts.items():
         text += f"\n### {name}: verdicts for qk_map ({VERDICT_NOTE})\n\n"
         text += "\n".join(f"- {claim}: **{result}**" for claim, result in by_claim.items()) + "\n"

@@ -105,8 +105,8 @@ class QKMapFeatureMap(nn.Module):
 
         Computing them is ~5 small ops per layer and token (more under GQA) that only change when the parameters
         do; they are recomputed when a parameter object, its version counter (every in-place update, ``copy_``, an
-        optimizer step), storage, dtype or device changes. A write through ``parameter.data`` bypasses the version counter:
-        call ``forget_decoding_parameters`` after one.
+        optimizer step), storage, dtype or device changes. A write through ``parameter.data`` bypasses the version
+        counter: call ``forget_decoding_parameters`` after one.
         """
         parameters = (self.log_frequency, self.query_gain, self.key_gain)
         key = (groups, *((id(p), p._version, p.data_ptr(), p.dtype, p.device) for p in parameters))

@@ -506,6 +506,12 @@ def summarize_sweep(rows: list[dict], sweep: SweepOptions, grids: dict, choices:
     }
 
 
+def on_grid_edge(choice: float, grid: list[float]) -> bool:
+    """Whether a tuning choice is the smallest or largest value of its grid: the grid was too small to say that
+    value is best (docs/stability.md, docs/synthetic-tasks.md)."""
+    return choice in (min(grid), max(grid))
+
+
 def format_interval(entry: dict | None, spec: str = ".4f", single: str = " (n=1)") -> str:
     """A ``paired_interval`` as a table cell, ``mean [low, high]``; ``single`` follows the mean of one pair."""
     if not entry:
@@ -567,6 +573,7 @@ __all__ = [
     "arm_grid",
     "block_fingerprints",
     "grid_points",
+    "on_grid_edge",
     "paired_interval",
     "parse_tune",
     "run_sweep",
