@@ -21,3 +21,14 @@ def test_decode_op_count_sees_the_kept_rows_skip_omega_and_the_gains():
     assert (fresh["clone"], kept["clone"]) == (4, 0) and fresh["cat"] - kept["cat"] == 4
     assert sum(fresh.values()) > sum(kept.values())
     assert decode_ops(16, 4, 2, qk_mode="standard")["sin"] == 1  # the rotary table only
+
+
+def test_compact_decode_dispatches_no_more_ops_than_standard_attention():
+    """docs/performance.md, "Decode again": one decoded token of the compact layout (GQA 4:2) dispatches no more aten
+    ops than standard attention's (its map replaces RoPE at about RoPE's op count); the wide layout's extra ops are
+    its own attention call (bmm, softmax) and a bounded few, not a per-head or per-block count."""
+    standard = sum(decode_ops(16, 4, 2, qk_mode="standard").values())
+    compact = sum(decode_ops(16, 4, 2, qk_mode="qk_map", qkmap_input_dim=8).values())
+    wide = sum(decode_ops(16, 4, 2, qk_mode="qk_map").values())
+    assert compact <= standard
+    assert wide - standard <= 10 * 2  # at most 10 more per layer (2 layers)

@@ -187,15 +187,20 @@ def single_query_attention(
     and GQA groups share their key head without repeating the cache. Returns ``(batch, 1, heads, d)`` as sdpa.
     """
     batch, heads, _, width = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.view(batch, kv_heads, heads // kv_heads, width)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scaling  # (batch, kv_heads, groups, T)
+    kv_heads, length = key.shape[1], key.shape[-2]
+    # bmm on 3-D views: ``matmul`` of the 4-D tensors dispatches expands and reshapes around its bmm (per layer
+    # and token, where dispatch is the cost); the cache is contiguous, so its reshapes are views (the query of a
+    # batch is a slice of the stacked query/key features: a copy of one token's rows).
+    grouped = query.reshape(batch * kv_heads, heads // kv_heads, width)
+    keys = key.reshape(batch * kv_heads, length, width).transpose(1, 2)
+    scores = (torch.bmm(grouped, keys) * scaling).view(batch, kv_heads, -1, length)  # (batch, kv_heads, groups, T)
     if attention_mask is not None:
         mask = attention_mask[:, :, -1, : key.shape[-2]]  # (batch, 1 or heads, T)
         mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kv_heads, -1, mask.shape[-1])
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
-    output = torch.matmul(probs, value)  # (batch, kv_heads, groups, d)
+    values = value.reshape(batch * kv_heads, length, value.shape[-1])
+    output = torch.bmm(probs.view(batch * kv_heads, -1, length), values)  # (batch * kv_heads, groups, d)
     return output.view(batch, 1, heads, value.shape[-1]), None
 
 

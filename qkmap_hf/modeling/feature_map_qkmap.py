@@ -293,14 +293,15 @@ def qkmap_query_key_features(
 def stack_query_key_parameters(
     frequency: torch.Tensor, query_gain: torch.Tensor, key_gain: torch.Tensor, groups: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frequency and gain rows per head, the query heads' (each repeating its key head's) then the key heads', for
-    ``one_token_query_key_features``. They change only with the parameters: a decoding model can keep them between
-    tokens (``QKMapFeatureMap.decoding_parameters``)."""
+    """Frequency rows ``(heads, F, m or 1)`` and gain rows ``(heads, F, 2, m)`` per head, the query heads' (each
+    repeating its key head's) then the key heads', for ``one_token_query_key_features``. They change only with the
+    parameters: a decoding model can keep them between tokens (``QKMapFeatureMap.decoding_parameters``)."""
     query_frequency = frequency
     if groups > 1:
         query_frequency = frequency.repeat_interleave(groups, dim=0)
         query_gain = query_gain.repeat_interleave(groups, dim=0)
-    return torch.cat((query_frequency, frequency)), torch.cat((query_gain, key_gain))
+    gain = torch.cat((query_gain, key_gain))
+    return torch.cat((query_frequency, frequency)), gain.view(gain.shape[0], -1, 2, gain.shape[-1])
 
 
 def one_token_query_key_features(
@@ -312,34 +313,38 @@ def one_token_query_key_features(
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoding (one token, no gradients): queries and keys as the heads of one ``_features`` call.
+    """Decoding (one token, no gradients): queries and keys as the heads of one call.
 
-    At one token the map is ~20 small ops whose cost is the per-op dispatch, not arithmetic: one call for both
+    At one token the map is a few small ops whose cost is the per-op dispatch, not arithmetic: one call for both
     halves it (measured ~0.6x the time of two calls). Every head gets its own frequency and gain rows
     (``stack_query_key_parameters``), so each query and key is mapped exactly as by two separate calls.
     """
     heads = query.shape[1]
     z = torch.cat((query, key), dim=1)
     features = _one_token_features(z, stacked_frequency, stacked_gain, cos, sin, rotate_cos_blocks)
-    return features[:, :heads], features[:, heads:]
+    return features.split((heads, key.shape[1]), dim=1)
 
 
 def _one_token_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -> torch.Tensor:
-    """``_features`` with fewer ops, for one token: cos and sin of the phases go into one ``(..., F, 2, m)``
-    buffer, so one multiply applies both gains and one rotation turns every row (two when the cos rows stay
-    unrotated). Every element sees the same operations as in ``_features``, so the bits are the same (tested);
-    at one token the saving is dispatch (measured with the ``narrow`` halves: ~86 -> ~79 us per layer, one
-    thread), at many tokens it would be strided writes (slower there: ``_Layout``)."""
-    layout = _Layout(z, frequency, cos)
-    phase = layout.z(z) * layout.frequency(frequency)
-    trig = layout.empty_rows()
-    torch.cos(phase, out=trig.select(-2, 0))
-    torch.sin(phase, out=trig.select(-2, 1))
-    trig.mul_(layout.gain_rows(gain))
-    features = layout.empty_rows()
-    if rotate_cos_blocks:
-        _rotate_into(features, trig, layout.table(cos).unsqueeze(-2), layout.table(sin).unsqueeze(-2), adjoint=False)
-    else:
-        slots, rows = (features.select(-2, 0), features.select(-2, 1)), (trig.select(-2, 0), trig.select(-2, 1))
-        _rotate_rows_into(slots, rows, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
-    return layout.output(features, z.dtype)
+    """``_features`` in as few ops as it takes, for one token, where each op's dispatch costs more than its
+    arithmetic: ~15 per layer, about as many as Llama's RoPE of a query and a key.
+
+    ``z`` is ``(batch, heads, 1, m)``: the length-1 sequence axis broadcasts against ``omega``'s ``F`` axis, so no
+    view reshapes it. cos and sin of the phases are stacked into one ``(batch, heads, F, 2, m)`` tensor, so one
+    multiply applies both gains (``gain`` as ``(heads, F, 2, m)``), and the rotation turns whole rows at once:
+    ``x * cos + roll(x, m/2) * sin`` with the rolled first half negated, which is ``rotate_half(x) * sin``. Every
+    element sees the same operations as in ``_features`` (a sign flip is exact), so the bits are the same (tested);
+    at many tokens ``_Layout``'s halves written in place are faster.
+    """
+    batch, heads, _, m = z.shape
+    dtype = z.dtype if z.dtype in (torch.float32, torch.float64) else torch.float32  # as _Layout.dtype
+    phase = _cast(z, dtype) * _cast(frequency, dtype)
+    trig = torch.stack((phase.cos(), phase.sin_()), dim=-2).mul_(_cast(gain, dtype))
+    table_shape = (cos.shape[0], 1, 1, 1, m)
+    rolled = trig.roll(m // 2, dims=-1)
+    rolled.narrow(-1, 0, m // 2).neg_()
+    features = torch.mul(trig, _cast(cos, dtype).view(table_shape))
+    features.addcmul_(rolled, _cast(sin, dtype).view(table_shape))
+    if not rotate_cos_blocks:
+        features.select(-2, 0).copy_(trig.select(-2, 0))
+    return _cast(features.view(batch, heads, 1, -1), z.dtype)
