@@ -11,7 +11,8 @@ on its grid's edge).
 With ``--generalize TASK@LENGTH,LENGTH ...`` it also loads each arm's saved report models (``--save-models``) and
 scores them on other instances of their task (``task_probes.task_accuracy``: report-split sequences), e.g.
 ``mqar:num_pairs=4@64,128,256,512``: accuracy against the number of pairs and the length for models trained on
-one instance, in ``generalization`` of the JSON, a table and ``generalization.png``. Where a sweep has
+one instance, in ``generalization`` of the JSON, a table and ``generalization.png``; the scores are kept in the
+output folder (``generalization_scores.json``, by model digest), so a rerun scores only models that changed. Where a sweep has
 ``analysis/task_analysis.json`` (``qkmap analyze --task`` on its saved models), ``probes`` holds the probes' headline
 numbers per arm (``probe_measures``): the mean over seeds and paired intervals against the baselines.
 """
@@ -19,6 +20,7 @@ numbers per arm (``probe_measures``): the mean over seeds and paired intervals a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import textwrap
@@ -322,27 +324,53 @@ def saved_models(sweep: Path) -> dict[str, dict[int, Path]]:
     return found
 
 
-def generalization(sweep: Path, specs: list[tuple[str, list[int]]], examples: int = 128) -> dict[str, Any]:
+SCORES_FILE = "generalization_scores.json"  # in the report's output folder: scores already computed, by model digest
+
+
+def model_digest(folder: Path) -> str:
+    """sha256 of a saved model's config and weights: a score computed for these bytes holds for them alone (a report
+    run retrained at a new tuning choice overwrites its folder, and gets a new digest)."""
+    digest = hashlib.sha256()
+    for name in ["config.json", *sorted(p.name for p in folder.glob("*.safetensors"))]:
+        digest.update(name.encode())
+        digest.update((folder / name).read_bytes())
+    return digest.hexdigest()
+
+
+def generalization(
+    sweep: Path, specs: list[tuple[str, list[int]]], examples: int = 128, scores: Path | None = None
+) -> dict[str, Any]:
     """``{task spec: {arm: {length: [accuracy per seed]}}}`` of a sweep's saved models on the given instances; only
-    the instances of the sweep's own task (by name) are scored."""
+    the instances of the sweep's own task (by name) are scored.
+
+    ``scores`` (a JSON file) keeps every accuracy under its model's digest, spec, length and example count, written
+    after each model: a rerun after a widened tuning grid scores only the retrained models, and an interrupted
+    one loses at most one model's work. Scoring is deterministic (fixed report-split sequences), so a kept score is
+    the score."""
+    from tqdm.auto import tqdm
+
     from .analysis import load_for_analysis
     from .task_probes import task_accuracy
     from .training.synthetic import parse_task
 
     models = saved_models(sweep)
     trained = _trained_task(models)
+    specs = [(spec, lengths) for spec, lengths in specs if trained is None or spec.partition(":")[0] == trained]
+    kept: dict[str, float] = json.loads(scores.read_text()) if scores is not None and scores.is_file() else {}
+    folders = [(arm, folder) for arm, seeds in models.items() for _, folder in sorted(seeds.items())]
     result: dict[str, Any] = {}
-    for spec, lengths in specs:
-        if trained is not None and spec.partition(":")[0] != trained:
-            continue
-        task = parse_task(spec)
-        for arm, seeds in models.items():
-            for _, folder in sorted(seeds.items()):
-                model, _ = load_for_analysis(folder)
-                for length in lengths:
-                    accuracy = task_accuracy(model, task, length, examples)
-                    result.setdefault(spec, {}).setdefault(arm, {}).setdefault(str(length), []).append(accuracy)
-    return result
+    for arm, folder in tqdm(folders, desc=f"generalization {sweep.name}", unit="model"):
+        digest, model = model_digest(folder), None
+        for spec, lengths in specs:
+            for length in lengths:
+                key = f"{digest} {spec} {length} {examples}"
+                if key not in kept:
+                    model = model if model is not None else load_for_analysis(folder)[0]
+                    kept[key] = task_accuracy(model, parse_task(spec), length, examples)
+                result.setdefault(spec, {}).setdefault(arm, {}).setdefault(str(length), []).append(kept[key])
+        if scores is not None and model is not None:
+            atomic_write_json(scores, kept)
+    return {spec: result[spec] for spec, _ in specs if spec in result}
 
 
 def _trained_task(models: dict[str, dict[int, Path]]) -> str | None:
@@ -426,7 +454,7 @@ def build_report(
         text += "\n".join(f"- {claim}: **{result}**" for claim, result in by_claim.items()) + "\n"
     plot({k: v for k, v in all_curves.items() if v}, output / "accuracy_curves.png")
     if generalize:
-        scored = {sweep.name: generalization(sweep, generalize) for sweep in sweeps}
+        scored = {sweep.name: generalization(sweep, generalize, scores=output / SCORES_FILE) for sweep in sweeps}
         scored = {name: by_spec for name, by_spec in scored.items() if by_spec}
         text += "\n" + generalization_markdown(scored)
         plot_generalization(scored, output / "generalization.png")

@@ -442,7 +442,7 @@ def test_task_accuracy_of_an_oracle_is_one_and_of_a_constant_answer_its_share(ta
 
 def test_task_report_generalization_scores_saved_models_on_other_instances(tmp_path):
     from qkmap_hf.task_probes import task_accuracy
-    from qkmap_hf.task_report import build_report, main, parse_generalize
+    from qkmap_hf.task_report import build_report, main, model_digest, parse_generalize
     from qkmap_hf.training.data import byte_level_tokenizer
 
     sweep = tmp_path / "mqar"
@@ -464,6 +464,21 @@ def test_task_report_generalization_scores_saved_models_on_other_instances(tmp_p
     assert scored["standard"]["16"] == [task_accuracy(reloaded, MQARTask(num_pairs=4), 16, 128)]
     assert (tmp_path / "out" / "generalization.png").exists()
     assert "scored on mqar:num_pairs=4" in (tmp_path / "out" / "task_report.md").read_text()
+
+    # The scores are kept by model digest: a rerun reuses them, and scores again only a model whose bytes changed.
+    scores_path = tmp_path / "out" / "generalization_scores.json"
+    kept = json.loads(scores_path.read_text())
+    assert len(kept) == 3 * 2  # 3 models x 2 lengths (the salience spec is not the sweep's task)
+    qk_map_digest = model_digest(sweep / "shard-0" / "models" / "qk_map" / "seed1")
+    scores_path.write_text(json.dumps({k: (0.123 if k.startswith(qk_map_digest) else v) for k, v in kept.items()}))
+    torch.manual_seed(7)
+    retrained = QKMapForCausalLM(QKMapConfig(qk_mode="standard", **tiny_config_kwargs(vocab_size=257)))
+    retrained.save_pretrained(sweep / "shard-0" / "models" / "standard" / "seed0")
+    again = build_report([sweep], tmp_path / "out", specs)["generalization"]["mqar"]
+    (rescored,) = again.values()
+    assert rescored["qk_map"]["16"][1] == rescored["qk_map"]["32"][1] == 0.123  # kept, not recomputed
+    assert rescored["standard"]["16"] == [task_accuracy(retrained, MQARTask(num_pairs=4), 16, 128)]
+    assert len(json.loads(scores_path.read_text())) == 3 * 2 + 2  # the retrained model's scores added
     with pytest.raises(SystemExit):
         main([str(sweep), "--output-dir", str(tmp_path / "bad"), "--generalize", "mqar:num_pairs=4"])
     with pytest.raises(ValueError, match="expected TASK@LENGTH"):
