@@ -96,10 +96,37 @@ def versus_baselines(values: dict[str, dict[int, float]], arm: str) -> dict[str,
     return entry
 
 
+def _setting_values(setting: str) -> dict[str, Any] | None:
+    """``learning_rate=0.001;logit_scale_multiplier=4`` -> its values (None for a name that is not such a list)."""
+    values: dict[str, Any] = {}
+    for item in setting.split(";"):
+        name, sep, value = item.partition("=")
+        if not sep:
+            return None
+        try:
+            values[name] = float(value)
+        except ValueError:
+            values[name] = value
+    return values
+
+
+def edge_margins(choice: dict[str, Any], edges: list[str], tuning_losses: dict[str, dict]) -> dict[str, float | None]:
+    """Per edge knob: the best tuning loss among points with another value of that knob, minus the choice's. A
+    margin near 0 (saturated runs: 3.5e-5 against 4.1e-5) is a tie, not a trend that a wider grid would follow."""
+    means = {s: statistics.fmean(v.values()) for s, v in tuning_losses.items() if v}
+    chosen = min((loss for s, loss in means.items() if _setting_values(s) == choice), default=None)
+    margins: dict[str, float | None] = {}
+    for knob in edges:
+        others = [loss for s, loss in means.items() if (v := _setting_values(s)) and v.get(knob) != choice[knob]]
+        margins[knob] = min(others) - chosen if others and chosen is not None else None
+    return margins
+
+
 def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
-    """``{arm: {"choice", "tuning_loss", "points", "edges"}}`` from the ``summary.json`` of a sweep and its shards: the
-    setting each arm was reported at, its tuning-split loss (mean over tuning seeds), how many grid points ran, and
-    the tuned knobs whose choice sits on an edge of their grid (there the grid was too small to say it is best)."""
+    """``{arm: {"choice", "tuning_loss", "points", "edges", "edge_margins"}}`` from the ``summary.json`` of a sweep
+    and its shards: the setting each arm was reported at, its tuning-split loss (mean over tuning seeds), how many
+    grid points ran, the tuned knobs whose choice sits on an edge of their grid (there the grid was too small to say
+    it is best) and, per such knob, by how much the edge beat the other values (``edge_margins``)."""
     choices: dict[str, dict[str, Any]] = {}
     for folder in _sweep_folders(sweep):
         path = folder / "summary.json"
@@ -112,13 +139,19 @@ def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
                 continue
             values = entry.get("choice_values", {})
             losses = entry.get("tuning_losses", {}).get(entry["choice"], {})
+            edges = [k for k, v in values.items() if len(grid.get(k, [])) > 1 and on_grid_edge(v, grid[k])]
             choices[arm] = {
                 "choice": values,
                 "tuning_loss": statistics.fmean(losses.values()) if losses else None,
                 "points": len(entry.get("tuning_losses", {})),
-                "edges": [k for k, v in values.items() if len(grid.get(k, [])) > 1 and on_grid_edge(v, grid[k])],
+                "edges": edges,
+                "edge_margins": edge_margins(values, edges, entry.get("tuning_losses", {})),
             }
     return choices
+
+
+def _edge_mark(margin: float | None) -> str:
+    return "*" if margin is None else f"* (by {margin:.2g})"
 
 
 def tuning_markdown(tuning: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -126,13 +159,20 @@ def tuning_markdown(tuning: dict[str, dict[str, dict[str, Any]]]) -> str:
     for sweep, arms in tuning.items():
         knobs = sorted({k for a in arms.values() for k in a["choice"]})
         lines += [
-            f"### {sweep}: tuning choices (lowest tuning-split loss; * on its grid's edge)",
+            f"### {sweep}: tuning choices (lowest tuning-split loss; * on its grid's edge, with the edge's margin: the"
+            " best loss at another value of that knob minus the choice's)",
             "",
             "| arm | " + " | ".join(knobs) + " | tuning loss | grid points |",
             "|---|" + "---|" * (len(knobs) + 2),
         ]
         for arm, a in sorted(arms.items()):
-            cells = [f"{a['choice'][k]:g}{'*' if k in a['edges'] else ''}" if k in a["choice"] else "-" for k in knobs]
+            margins = a.get("edge_margins", {})
+            cells = [
+                f"{a['choice'][k]:g}" + (_edge_mark(margins.get(k)) if k in a["edges"] else "")
+                if k in a["choice"]
+                else "-"
+                for k in knobs
+            ]
             loss = f"{a['tuning_loss']:.4f}" if a["tuning_loss"] is not None else "-"
             lines.append(f"| {arm} | " + " | ".join(cells) + f" | {loss} | {a['points']} |")
         lines.append("")

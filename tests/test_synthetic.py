@@ -394,17 +394,23 @@ def test_task_report_reads_report_runs_steps_to_thresholds_and_paired_intervals(
     for index, (arm, (values, losses)) in enumerate(shard.items()):
         choice = ";".join(f"{k}={v}" for k, v in values.items())
         tuning_losses = {choice: {"1000": losses[0], "1001": losses[1]}, "other": {"1000": 9.0, "1001": 9.0}}
+        if arm == "standard":  # the same learning rate at the other temperature, a little worse: the edge's margin
+            tuning_losses["learning_rate=0.003;logit_scale_multiplier=1"] = {"1000": 0.62, "1001": 0.64}
         summary = {"settings": {"tune": grid}, "arms": {arm: {"choice": choice, "choice_values": values,
                                                              "tuning_losses": tuning_losses}}}  # fmt: skip
         (tmp_path / "mqar" / f"shard-{index}").mkdir()
         (tmp_path / "mqar" / f"shard-{index}" / "summary.json").write_text(json.dumps(summary))
     built = build_report([tmp_path / "mqar"], tmp_path / "out")
     assert built["tuning"]["mqar"]["standard"] == {
-        "choice": shard["standard"][0], "tuning_loss": pytest.approx(0.6), "points": 2, "edges": ["logit_scale_multiplier"]
+        "choice": shard["standard"][0], "tuning_loss": pytest.approx(0.6), "points": 3, "edges": ["logit_scale_multiplier"],
+        "edge_margins": {"logit_scale_multiplier": pytest.approx(0.03)},
     }  # fmt: skip
     assert built["tuning"]["mqar"]["qk_map"]["edges"] == ["learning_rate", "logit_scale_multiplier"]
+    assert built["tuning"]["mqar"]["qk_map"]["edge_margins"] == {"learning_rate": None, "logit_scale_multiplier": None}
     text = (tmp_path / "out" / "task_report.md").read_text()
-    assert "| qk_map | 0.001* | 1* | 0.3000 | 2 |" in text and "| standard | 0.003 | 4* | 0.6000 | 2 |" in text
+    assert (
+        "| qk_map | 0.001* | 1* | 0.3000 | 2 |" in text and "| standard | 0.003 | 4* (by 0.03) | 0.6000 | 3 |" in text
+    )
     report = built["mqar"]
     assert report["standard"]["steps_to_50"] == {"mean": 200.0, "reached": "1/2"}
     assert report["qk_map"]["steps_to_50"] == {"mean": 100.0, "reached": "2/2"}
