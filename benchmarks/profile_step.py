@@ -25,7 +25,11 @@ from attention_overhead import MODEL_SIZE, VARIANTS, build  # noqa: E402
 GROUPS = {
     "attention kernel": ("scaled_dot_product", "aten::bmm", "aten::_softmax"),
     "matmuls (projections, MLP, head)": ("aten::mm", "aten::addmm"),
-    "feature map node (fwd+bwd; inline in the rest without gradients)": ("QKMapFeatureFunction",),
+    # queries and keys go through one QKMapQueryKeyFunction node when both need gradients, else one node each
+    "feature map node (fwd+bwd; inline in the rest without gradients)": (
+        "QKMapQueryKeyFunction",
+        "QKMapFeatureFunction",
+    ),
     "value padding": ("aten::constant_pad_nd",),
 }
 REST = "the rest (RoPE, norms, other elementwise ops, loss, dispatch)"
@@ -67,6 +71,16 @@ def run(model, ids: torch.Tensor, state, steps: int) -> None:
             state[1] = model(state[1], cache=state[0], use_cache=True).logits[:, -1:].argmax(-1)
 
 
+def grouped_self_times(model, ids: torch.Tensor, state, steps: int) -> dict[str, float]:
+    """Profiled self CPU microseconds of ``steps`` steps, summed per group (self times, so nothing counts twice)."""
+    totals: dict[str, float] = defaultdict(float)
+    with profile() as prof:
+        run(model, ids, state, steps)
+    for event in prof.events():
+        totals[group_of_event(event)] += event.self_cpu_time_total
+    return totals
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", default="qk_map_wide", choices=[v for v in VARIANTS if v != "standard"])
@@ -85,10 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name, model in models.items():
             state = prepare(model, ids, args.decode)
-            with profile() as prof:
-                run(model, ids, state, args.steps)
-            for event in prof.events():  # self times, so nothing counts twice
-                totals[name][group_of_event(event)] += event.self_cpu_time_total
+            for group, micros in grouped_self_times(model, ids, state, args.steps).items():
+                totals[name][group] += micros
     per_step = args.rounds * args.steps * 1e3
     unit = "ms/token" if args.decode else "ms/step"
     print(
