@@ -6,7 +6,7 @@ seeds, report split) and writes ``task_report.json``, ``task_report.md`` and ``a
 arm the final report-split accuracy (mean over seeds, paired 95 % interval over seeds against ``standard`` and
 ``qk_norm``), the first evaluated step at which each seed reached 50 % and 90 % (the mean over seeds that did; how
 many did), the accuracy against training steps, and each arm's tuning choice (``tuning``: flagged where it sits
-on its grid's edge).
+on its grid's edge, with the edge's margin, and the best tuning loss at each value of each knob).
 
 With ``--generalize TASK@LENGTH,LENGTH ...`` it also loads each arm's saved report models (``--save-models``) and
 scores them on other instances of their task (``task_probes.task_accuracy``: report-split sequences), e.g.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import statistics
 import textwrap
 from pathlib import Path
@@ -122,6 +123,28 @@ def edge_margins(choice: dict[str, Any], edges: list[str], tuning_losses: dict[s
     return margins
 
 
+def knob_profiles(tuning_losses: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per tuned knob and value: the best tuning loss over the other knobs (``{"logit_scale_multiplier": {"0.5":
+    0.01, "1": 0.2}}``): the trend along one knob, which says whether a choice on an edge would move further."""
+    profiles: dict[str, dict[float | str, float]] = {}
+    for setting, seeds in tuning_losses.items():
+        values = _setting_values(setting)
+        if not values or not seeds:
+            continue
+        loss = statistics.fmean(seeds.values())
+        for knob, value in values.items():
+            best = profiles.setdefault(knob, {})
+            best[value] = min(best.get(value, math.inf), loss)
+
+    def label(value: float | str) -> str:
+        return f"{value:g}" if isinstance(value, float) else value
+
+    def order(value: float | str) -> tuple:
+        return (0, value, "") if isinstance(value, float) else (1, 0.0, value)
+
+    return {knob: {label(v): best[v] for v in sorted(best, key=order)} for knob, best in profiles.items()}
+
+
 def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
     """``{arm: {"choice", "tuning_loss", "points", "edges", "edge_margins"}}`` from the ``summary.json`` of a sweep
     and its shards: the setting each arm was reported at, its tuning-split loss (mean over tuning seeds), how many
@@ -146,6 +169,7 @@ def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
                 "points": len(entry.get("tuning_losses", {})),
                 "edges": edges,
                 "edge_margins": edge_margins(values, edges, entry.get("tuning_losses", {})),
+                "profiles": knob_profiles(entry.get("tuning_losses", {})),
             }
     return choices
 
@@ -176,7 +200,32 @@ def tuning_markdown(tuning: dict[str, dict[str, dict[str, Any]]]) -> str:
             loss = f"{a['tuning_loss']:.4f}" if a["tuning_loss"] is not None else "-"
             lines.append(f"| {arm} | " + " | ".join(cells) + f" | {loss} | {a['points']} |")
         lines.append("")
+        for knob in knobs:
+            values = list(dict.fromkeys(v for a in arms.values() for v in a.get("profiles", {}).get(knob, {})))
+            if len(values) < 2:
+                continue
+            values.sort(key=lambda v: (0, float(v)) if _is_number(v) else (1, 0.0))
+            lines += [
+                f"### {sweep}: best tuning loss at each {knob} (the lowest over the other knobs)",
+                "",
+                "| arm | " + " | ".join(values) + " |",
+                "|---|" + "---|" * len(values),
+            ]
+            for arm, a in sorted(arms.items()):
+                profile = a.get("profiles", {}).get(knob, {})
+                lines.append(
+                    f"| {arm} | " + " | ".join(f"{profile[v]:.4f}" if v in profile else "-" for v in values) + " |"
+                )
+            lines.append("")
     return "\n".join(lines)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 PROBE_ANALYSIS = Path("analysis") / "task_analysis.json"  # where benchmarks/synthetic_tasks.sh writes the probes

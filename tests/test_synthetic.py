@@ -401,16 +401,21 @@ def test_task_report_reads_report_runs_steps_to_thresholds_and_paired_intervals(
         (tmp_path / "mqar" / f"shard-{index}").mkdir()
         (tmp_path / "mqar" / f"shard-{index}" / "summary.json").write_text(json.dumps(summary))
     built = build_report([tmp_path / "mqar"], tmp_path / "out")
-    assert built["tuning"]["mqar"]["standard"] == {
+    assert {k: v for k, v in built["tuning"]["mqar"]["standard"].items() if k != "profiles"} == {
         "choice": shard["standard"][0], "tuning_loss": pytest.approx(0.6), "points": 3, "edges": ["logit_scale_multiplier"],
         "edge_margins": {"logit_scale_multiplier": pytest.approx(0.03)},
     }  # fmt: skip
     assert built["tuning"]["mqar"]["qk_map"]["edges"] == ["learning_rate", "logit_scale_multiplier"]
     assert built["tuning"]["mqar"]["qk_map"]["edge_margins"] == {"learning_rate": None, "logit_scale_multiplier": None}
+    assert built["tuning"]["mqar"]["standard"]["profiles"] == {
+        "learning_rate": {"0.003": pytest.approx(0.6)},
+        "logit_scale_multiplier": {"1": pytest.approx(0.63), "4": pytest.approx(0.6)},
+    }  # per value of a knob, the best loss over the other knobs ("other" names no setting: left out)
     text = (tmp_path / "out" / "task_report.md").read_text()
     assert (
         "| qk_map | 0.001* | 1* | 0.3000 | 2 |" in text and "| standard | 0.003 | 4* (by 0.03) | 0.6000 | 3 |" in text
     )
+    assert "best tuning loss at each logit_scale_multiplier" in text and "| standard | 0.6300 | 0.6000 |" in text
     report = built["mqar"]
     assert report["standard"]["steps_to_50"] == {"mean": 200.0, "reached": "1/2"}
     assert report["qk_map"]["steps_to_50"] == {"mean": 100.0, "reached": "2/2"}
