@@ -30,7 +30,7 @@ from typing import Any
 
 from .fileio import atomic_write_json, atomic_write_text
 from .stability import BASELINES, TRAINING_RECORD
-from .training.sweep import format_interval, on_grid_edge, paired_interval
+from .training.sweep import format_interval, on_grid_edge, paired_interval, tuning_losses_so_far
 
 THRESHOLDS = (0.5, 0.9)
 VERDICT_NOTE = "paper_claims' rule: paired 95 % intervals over report seeds against every judged baseline"
@@ -146,10 +146,11 @@ def knob_profiles(tuning_losses: dict[str, dict]) -> dict[str, dict[str, float]]
 
 
 def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
-    """``{arm: {"choice", "tuning_loss", "points", "edges", "edge_margins"}}`` from the ``summary.json`` of a sweep
-    and its shards: the setting each arm was reported at, its tuning-split loss (mean over tuning seeds), how many
-    grid points ran, the tuned knobs whose choice sits on an edge of their grid (there the grid was too small to say
-    it is best) and, per such knob, by how much the edge beat the other values (``edge_margins``)."""
+    """``{arm: {"choice", "tuning_loss", "points", "edges", "edge_margins", "profiles"}}`` from the ``summary.json``
+    of a sweep and its shards: the setting each arm was reported at, its tuning-split loss (mean over tuning seeds),
+    how many grid points ran, the tuned knobs whose choice sits on an edge of their grid (there the grid was too
+    small to say it is best), per such knob by how much the edge beat the other values (``edge_margins``), and the
+    best loss at each value of each knob over every tuning run in ``sweep_losses.csv`` so far (``profiles``)."""
     choices: dict[str, dict[str, Any]] = {}
     for folder in _sweep_folders(sweep):
         path = folder / "summary.json"
@@ -157,6 +158,7 @@ def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
             continue
         summary = json.loads(path.read_text())
         grid = summary.get("settings", {}).get("tune", {})
+        so_far = tuning_losses_so_far(folder, summary.get("settings", {}).get("steps", -1))
         for arm, entry in summary.get("arms", {}).items():
             if not entry.get("choice"):
                 continue
@@ -169,7 +171,8 @@ def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
                 "points": len(entry.get("tuning_losses", {})),
                 "edges": edges,
                 "edge_margins": edge_margins(values, edges, entry.get("tuning_losses", {})),
-                "profiles": knob_profiles(entry.get("tuning_losses", {})),
+                # from every tuning run finished so far: a sweep widening its grid shows where the new points lead
+                "profiles": knob_profiles(so_far.get(arm) or entry.get("tuning_losses", {})),
             }
     return choices
 

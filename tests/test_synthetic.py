@@ -532,3 +532,31 @@ def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_interv
     text = (tmp_path / "out" / "task_report.md").read_text()
     assert "salience: probes" in text and "answers changed, key x2" in text
     assert "| qk_norm | 3 | 0.800 | 0.600 | +0.10 |" in text  # accuracy, first answer, lift
+
+
+def test_task_report_profiles_read_every_tuning_run_finished_so_far_while_a_widened_sweep_runs(tmp_path):
+    """summary.json is written when a sweep ends; a sweep widening its grid has newer tuning runs in
+    sweep_losses.csv, and the per-knob profiles show them (only final-step tuning losses count)."""
+    from qkmap_hf.task_report import tuning_choices
+
+    shard = tmp_path / "mqar" / "shard-0"
+    shard.mkdir(parents=True)
+    old_point, new_point = (
+        "learning_rate=0.001;logit_scale_multiplier=1",
+        "learning_rate=0.001;logit_scale_multiplier=0.5",
+    )
+    summary = {
+        "settings": {"tune": {"learning_rate": [1e-3], "logit_scale_multiplier": [1, 4]}, "steps": 2000},
+        "arms": {"qk_map": {"choice": old_point, "choice_values": {"learning_rate": 1e-3, "logit_scale_multiplier": 1},
+                            "tuning_losses": {old_point: {"1000": 0.2}}}},
+    }  # fmt: skip
+    (shard / "summary.json").write_text(json.dumps(summary))
+    rows = [
+        f"qk_map,tune,{old_point},1000,2000,validation,0.2",
+        f"qk_map,tune,{new_point},1000,1000,validation,0.01",  # not the final step
+        f"qk_map,tune,{new_point},1000,2000,validation,0.05",
+        f"qk_map,report,{new_point},0,2000,validation,0.001",  # a report run: not tuning
+    ]
+    (shard / "sweep_losses.csv").write_text("arm,phase,setting,seed,step,split,loss\n" + "\n".join(rows) + "\n")
+    profiles = tuning_choices(tmp_path / "mqar")["qk_map"]["profiles"]
+    assert profiles["logit_scale_multiplier"] == {"0.5": pytest.approx(0.05), "1": pytest.approx(0.2)}

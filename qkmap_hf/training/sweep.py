@@ -294,6 +294,16 @@ def _final(rows: list[dict], steps: int) -> dict[tuple[str, str, str, int], floa
     }
 
 
+def tuning_losses_so_far(out: Path, steps: int) -> dict[str, dict[str, dict[str, float]]]:
+    """``{arm: {setting: {seed: final loss}}}`` of every tuning run finished in ``out/sweep_losses.csv``, also while
+    the sweep is still running (``summary.json`` is written when it ends)."""
+    losses: dict[str, dict[str, dict[str, float]]] = {}
+    for (arm, phase, setting, seed), loss in _final(_read(out / "sweep_losses.csv"), steps).items():
+        if phase == "tune":
+            losses.setdefault(arm, {}).setdefault(setting, {})[str(seed)] = loss
+    return losses
+
+
 def _rank(loss: float) -> float:
     """A diverged run (NaN loss) ranks last."""
     return math.inf if math.isnan(loss) else loss
