@@ -111,14 +111,23 @@ def _setting_values(setting: str) -> dict[str, Any] | None:
     return values
 
 
-def edge_margins(choice: dict[str, Any], edges: list[str], tuning_losses: dict[str, dict]) -> dict[str, float | None]:
+def _value_order(text: str) -> tuple:
+    """The order of a knob's values in the tables: numbers by value, then other values by name."""
+    try:
+        return (0, float(text), "")
+    except ValueError:
+        return (1, 0.0, text)
+
+
+def edge_margins(choice_setting: str, edges: list[str], tuning_losses: dict[str, dict]) -> dict[str, float | None]:
     """Per edge knob: the best tuning loss among points with another value of that knob, minus the choice's. A
     margin near 0 (saturated runs: 3.5e-5 against 4.1e-5) is a tie, not a trend that a wider grid would follow."""
     means = {s: statistics.fmean(v.values()) for s, v in tuning_losses.items() if v}
-    chosen = min((loss for s, loss in means.items() if _setting_values(s) == choice), default=None)
+    parsed = {s: values for s in means if (values := _setting_values(s))}
+    choice, chosen = _setting_values(choice_setting) or {}, means.get(choice_setting)
     margins: dict[str, float | None] = {}
     for knob in edges:
-        others = [loss for s, loss in means.items() if (v := _setting_values(s)) and v.get(knob) != choice[knob]]
+        others = [means[s] for s, values in parsed.items() if values.get(knob) != choice.get(knob)]
         margins[knob] = min(others) - chosen if others and chosen is not None else None
     return margins
 
@@ -126,7 +135,7 @@ def edge_margins(choice: dict[str, Any], edges: list[str], tuning_losses: dict[s
 def knob_profiles(tuning_losses: dict[str, dict]) -> dict[str, dict[str, float]]:
     """Per tuned knob and value: the best tuning loss over the other knobs (``{"logit_scale_multiplier": {"0.5":
     0.01, "1": 0.2}}``): the trend along one knob, which says whether a choice on an edge would move further."""
-    profiles: dict[str, dict[float | str, float]] = {}
+    profiles: dict[str, dict[str, float]] = {}
     for setting, seeds in tuning_losses.items():
         values = _setting_values(setting)
         if not values or not seeds:
@@ -134,15 +143,9 @@ def knob_profiles(tuning_losses: dict[str, dict]) -> dict[str, dict[str, float]]
         loss = statistics.fmean(seeds.values())
         for knob, value in values.items():
             best = profiles.setdefault(knob, {})
-            best[value] = min(best.get(value, math.inf), loss)
-
-    def label(value: float | str) -> str:
-        return f"{value:g}" if isinstance(value, float) else value
-
-    def order(value: float | str) -> tuple:
-        return (0, value, "") if isinstance(value, float) else (1, 0.0, value)
-
-    return {knob: {label(v): best[v] for v in sorted(best, key=order)} for knob, best in profiles.items()}
+            label = f"{value:g}" if isinstance(value, float) else value
+            best[label] = min(best.get(label, math.inf), loss)
+    return {knob: dict(sorted(best.items(), key=lambda item: _value_order(item[0]))) for knob, best in profiles.items()}
 
 
 def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
@@ -170,7 +173,7 @@ def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
                 "tuning_loss": statistics.fmean(losses.values()) if losses else None,
                 "points": len(entry.get("tuning_losses", {})),
                 "edges": edges,
-                "edge_margins": edge_margins(values, edges, entry.get("tuning_losses", {})),
+                "edge_margins": edge_margins(entry["choice"], edges, entry.get("tuning_losses", {})),
                 # from every tuning run finished so far: a sweep widening its grid shows where the new points lead
                 "profiles": knob_profiles(so_far.get(arm) or entry.get("tuning_losses", {})),
             }
@@ -207,7 +210,7 @@ def tuning_markdown(tuning: dict[str, dict[str, dict[str, Any]]]) -> str:
             values = list(dict.fromkeys(v for a in arms.values() for v in a.get("profiles", {}).get(knob, {})))
             if len(values) < 2:
                 continue
-            values.sort(key=lambda v: (0, float(v)) if _is_number(v) else (1, 0.0))
+            values.sort(key=_value_order)
             lines += [
                 f"### {sweep}: best tuning loss at each {knob} (the lowest over the other knobs)",
                 "",
@@ -221,14 +224,6 @@ def tuning_markdown(tuning: dict[str, dict[str, dict[str, Any]]]) -> str:
                 )
             lines.append("")
     return "\n".join(lines)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 PROBE_ANALYSIS = Path("analysis") / "task_analysis.json"  # where benchmarks/synthetic_tasks.sh writes the probes
@@ -448,6 +443,7 @@ def generalization(
     models = saved_models(sweep)
     trained = _trained_task(models)
     specs = [(spec, lengths) for spec, lengths in specs if trained is None or spec.partition(":")[0] == trained]
+    tasks = {spec: parse_task(spec) for spec, _ in specs}
     kept: dict[str, float] = json.loads(scores.read_text()) if scores is not None and scores.is_file() else {}
     folders = [(arm, folder) for arm, seeds in models.items() for _, folder in sorted(seeds.items())]
     result: dict[str, Any] = {}
@@ -458,7 +454,7 @@ def generalization(
                 key = f"{digest} {spec} {length} {examples}"
                 if key not in kept:
                     model = model if model is not None else load_for_analysis(folder)[0]
-                    kept[key] = task_accuracy(model, parse_task(spec), length, examples)
+                    kept[key] = task_accuracy(model, tasks[spec], length, examples)
                 result.setdefault(spec, {}).setdefault(arm, {}).setdefault(str(length), []).append(kept[key])
         if scores is not None and model is not None:
             atomic_write_json(scores, kept)

@@ -195,7 +195,7 @@ def single_query_attention(
     keys = key.reshape(batch * kv_heads, length, width).transpose(1, 2)
     scores = (torch.bmm(grouped, keys) * scaling).view(batch, kv_heads, -1, length)  # (batch, kv_heads, groups, T)
     if attention_mask is not None:
-        mask = attention_mask[:, :, -1, : key.shape[-2]]  # (batch, 1 or heads, T)
+        mask = attention_mask[:, :, -1, :length]  # (batch, 1 or heads, T)
         mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kv_heads, -1, mask.shape[-1])
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)

@@ -45,6 +45,12 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 at least (docs/method.md: a bf16 phase of magnitude 100 is off by 0.5 rad); float64 stays. A Python
+    check, not ``torch.promote_types``, which dispatches an op per call (decoding calls this per layer and token)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 class _Layout:
     """Views that broadcast to ``(batch, seq, kv_heads, groups, F, m)`` (one half: cos or sin) in the compute dtype.
 
@@ -59,8 +65,7 @@ class _Layout:
         self.batch, self.heads, self.seq, self.m = z.shape
         self.kv_heads, self.num_freq, self.freq_width = frequency.shape
         self.groups = self.heads // self.kv_heads
-        # float32 at least (docs/method.md: a bf16 phase of magnitude 100 is off by 0.5 rad); float64 stays.
-        self.dtype = torch.promote_types(z.dtype, torch.float32)
+        self.dtype = _compute_dtype(z.dtype)
         self.table_batch = cos.shape[0]
         self.device = z.device
 
@@ -337,7 +342,7 @@ def _one_token_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -
     at many tokens ``_Layout``'s halves written in place are faster.
     """
     batch, heads, _, m = z.shape
-    dtype = z.dtype if z.dtype in (torch.float32, torch.float64) else torch.float32  # as _Layout.dtype
+    dtype = _compute_dtype(z.dtype)
     phase = _cast(z, dtype) * _cast(frequency, dtype)
     trig = torch.stack((phase.cos(), phase.sin_()), dim=-2).mul_(_cast(gain, dtype))
     table_shape = (cos.shape[0], 1, 1, 1, m)
