@@ -39,6 +39,7 @@ from qkmap_hf.modeling.attention_qkmap import QKMapAttention
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_overhead import (  # noqa: E402
     MODEL_SIZE,
+    PREFILL_CALLS,
     VARIANTS,
     build,
     kv_cache_bytes,
@@ -204,6 +205,7 @@ def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
         batch=args.batch,
         repeats=args.repeats,
         prefill_len=seq_len,
+        prefill_calls=args.prefill_calls,
         decode_tokens=args.decode_tokens,
     )
     raw = measure(shape_args, size)
@@ -252,7 +254,18 @@ def measurement_settings(args: argparse.Namespace) -> dict:
     """What a finished (shape, T) part was measured with: a rerun reuses the part only if these match."""
     return {
         name: getattr(args, name)
-        for name in ("device", "dtype", "attn", "variants", "train", "batch", "repeats", "decode_tokens", "threads")
+        for name in (
+            "device",
+            "dtype",
+            "attn",
+            "variants",
+            "train",
+            "batch",
+            "repeats",
+            "prefill_calls",
+            "decode_tokens",
+            "threads",
+        )
     } | {"torch": torch.__version__, "qkmap_hf": qkmap_hf.__version__}
 
 
@@ -515,6 +528,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefill-calls", type=int, default=PREFILL_CALLS, help="timed prefills per repeat (their median)")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded after the T-token prefill")
     p.add_argument("--kv-prompt-len", type=int, default=32, help="prompt of the generate() cache measurement")
     p.add_argument("--kv-new-tokens", type=int, default=16, help="tokens generate() adds before the cache is read")

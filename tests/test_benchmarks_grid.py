@@ -179,3 +179,32 @@ def test_targets_are_met_at_the_floor_or_missed_as_the_issue_defines_them() -> N
     assert "| qk_map_wide | train step | <= 1.22x | 3 | 1 | 1 | 1 | c T=512: 1.430x, floor 1.380 |" in table
     assert "| qk_map_wide | saved act. bytes | <= 1.15x | 1 | 0 | 0 | 1 | a T=512: 1.300x |" in table
     assert "qk_map_compact" not in table  # no rows, no line
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_prefill_is_the_median_of_its_timed_calls_and_decode_continues_from_the_last(monkeypatch) -> None:
+    import argparse
+
+    import attention_overhead
+
+    durations = iter([0.005, 0.001, 0.003, 0.002])  # three prefills, then the one decode step
+    calls = []
+
+    def fake_timed(fn, device):
+        fn()
+        calls.append(fn.__name__)
+        return next(durations)
+
+    monkeypatch.setattr(attention_overhead, "timed", fake_timed)
+    args = argparse.Namespace(
+        device="cpu", dtype="float32", attn="sdpa", variants=["standard"], seq_lens=[], max_train_len=0, batch=1,
+        repeats=1, prefill_len=4, prefill_calls=3, decode_tokens=1,
+    )  # fmt: skip
+    size = shape_grid.shape_size(head_dim=16, heads=4, kv_ratio=2, layers=1)
+    rows = attention_overhead.measure(args, size)
+    value = {r["metric"]: r["value"] for r in rows}
+    assert calls == ["prefill"] * 3 + ["decode"]
+    assert value["prefill_ms"] == pytest.approx(3.0) and value["decode_ms_per_token"] == pytest.approx(2.0)
+    tokens = args.prefill_len + args.decode_tokens  # one prefill's cache (not three stacked), one token longer
+    per_token = 2 * size["num_key_value_heads"] * size["head_dim"] * 4 * size["num_hidden_layers"]
+    assert value["kv_cache_bytes"] == tokens * per_token
