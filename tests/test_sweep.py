@@ -141,3 +141,18 @@ def test_sweep_chooses_on_tuning_split_and_reports_on_disjoint_split(tmp_path):
     before = (out / "sweep_losses.csv").read_text(), (out / "timing.json").read_text()
     run_sweep(sweep)
     assert ((out / "sweep_losses.csv").read_text(), (out / "timing.json").read_text()) == before
+
+    # Resuming where a kept model is gone (a fresh machine, the rows restored from a copy) trains that run again,
+    # and only that one: the same seed gives the same loss back.
+    import shutil
+
+    shutil.rmtree(out / "models" / "standard" / "seed1")
+    timing_before = json.loads(before[1])
+    again = run_sweep(sweep)
+    assert any((out / "models" / "standard" / "seed1").glob("*.safetensors"))
+    timing_after = json.loads((out / "timing.json").read_text())
+    changed = {k for k in timing_before if timing_after[k] != timing_before[k]}
+    assert changed == {f"standard/report/{summary['arms']['standard']['choice']}/1"}
+    assert again["arms"]["standard"]["report_losses"]["1"] == pytest.approx(
+        summary["arms"]["standard"]["report_losses"]["1"], abs=1e-5
+    )

@@ -14,7 +14,8 @@ Protocol (docs/compare.md, "Equal tuning effort"):
 Outputs in the output folder: ``sweep_losses.csv`` (``arm,phase,setting,seed,step,split,loss``),
 ``summary.json`` (grid, tuning losses, choice, report losses per seed, paired differences with 95 % intervals,
 the seeds and block fingerprints of both splits), ``summary.md``, ``validation_loss.png`` and, with
-``save_models``, ``models/ARM/seedS``. Finished runs found in the CSV are skipped, so a sweep resumes.
+``save_models``, ``models/ARM/seedS``. Finished runs found in the CSV are skipped, so a sweep resumes;
+a report run whose kept model is gone runs again.
 """
 
 from __future__ import annotations
@@ -336,8 +337,9 @@ def run_sweep(sweep: SweepOptions) -> dict:
 
     def run(variant: Variant, phase: str, setting: str, seed: int, split, eval_steps: int, folder: Path, save: bool):
         nonlocal rows
-        if (variant.label, phase, setting, seed) in _final(rows, options.steps):
-            return
+        finished = (variant.label, phase, setting, seed) in _final(rows, options.steps)
+        if finished and (not save or any(folder.glob("*.safetensors"))):
+            return  # finished; a run whose kept model is gone (a fresh machine, rows restored from a copy) reruns
         rows = [
             r for r in rows if (r["arm"], r["phase"], r["setting"], r["seed"]) != (variant.label, phase, setting, seed)
         ]
