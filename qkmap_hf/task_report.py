@@ -15,6 +15,11 @@ one instance, in ``generalization`` of the JSON, a table and ``generalization.pn
 output folder (``generalization_scores.json``, by model digest), so a rerun scores only models that changed. Where a sweep has
 ``analysis/task_analysis.json`` (``qkmap analyze --task`` on its saved models), ``probes`` holds the probes' headline
 numbers per arm (``probe_measures``): the mean over seeds and paired intervals against the baselines.
+
+``--tuning-only`` reads only the tuning runs in the ``sweep_losses.csv`` of each sweep and its shards, so it works
+while a sweep runs or on CSVs restored from a committed copy: ``tuning.md`` (the lowest loss so far per arm, the
+per-knob profiles, every grid point), ``tuning.json`` and one heatmap per sweep, ``tuning_grid-SWEEP.png`` (also
+written by the full report).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 from .fileio import atomic_write_json, atomic_write_text
 from .stability import BASELINES, TRAINING_RECORD
-from .training.sweep import format_interval, on_grid_edge, paired_interval, tuning_losses_so_far
+from .training.sweep import format_interval, loss_rank, on_grid_edge, paired_interval, tuning_losses_so_far
 
 THRESHOLDS = (0.5, 0.9)
 VERDICT_NOTE = "paper_claims' rule: paired 95 % intervals over report seeds against every judged baseline"
@@ -132,6 +137,10 @@ def edge_margins(choice_setting: str, edges: list[str], tuning_losses: dict[str,
     return margins
 
 
+def _label(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def knob_profiles(tuning_losses: dict[str, dict]) -> dict[str, dict[str, float]]:
     """Per tuned knob and value: the best tuning loss over the other knobs (``{"logit_scale_multiplier": {"0.5":
     0.01, "1": 0.2}}``): the trend along one knob, which says whether a choice on an edge would move further."""
@@ -143,7 +152,7 @@ def knob_profiles(tuning_losses: dict[str, dict]) -> dict[str, dict[str, float]]
         loss = statistics.fmean(seeds.values())
         for knob, value in values.items():
             best = profiles.setdefault(knob, {})
-            label = f"{value:g}" if isinstance(value, float) else value
+            label = _label(value)
             best[label] = min(best.get(label, math.inf), loss)
     return {knob: dict(sorted(best.items(), key=lambda item: _value_order(item[0]))) for knob, best in profiles.items()}
 
@@ -178,6 +187,138 @@ def tuning_choices(sweep: Path) -> dict[str, dict[str, Any]]:
                 "profiles": knob_profiles(so_far.get(arm) or entry.get("tuning_losses", {})),
             }
     return choices
+
+
+def tuning_so_far(sweep: Path) -> dict[str, dict[str, Any]]:
+    """Per arm, what the tuning runs finished so far say, from the ``sweep_losses.csv`` of the sweep and its shards
+    alone (a sweep still running, or one whose CSVs were restored from a committed copy): ``tuning_choices``'
+    entries with the lowest loss so far as the choice and the values run so far as the grid, and ``losses``, every
+    grid point's mean loss over its tuning seeds."""
+    runs: dict[str, dict[str, dict[str, float]]] = {}
+    for folder in _sweep_folders(sweep):
+        for arm, settings in tuning_losses_so_far(folder).items():
+            runs.setdefault(arm, {}).update(settings)
+    entries: dict[str, dict[str, Any]] = {}
+    for arm, settings in sorted(runs.items()):
+        means = {setting: statistics.fmean(seeds.values()) for setting, seeds in settings.items() if seeds}
+        choice = min(means, key=lambda setting: loss_rank(means[setting]))
+        values = _setting_values(choice) or {}
+        grid: dict[str, set] = {}
+        for setting in means:
+            for knob, value in (_setting_values(setting) or {}).items():
+                grid.setdefault(knob, set()).add(value)
+        edges = [k for k, v in values.items() if len(grid.get(k, ())) > 1 and on_grid_edge(v, list(grid[k]))]
+        entries[arm] = {
+            "choice": values,
+            "tuning_loss": means[choice],
+            "points": len(means),
+            "edges": edges,
+            "edge_margins": edge_margins(choice, edges, settings),
+            "profiles": knob_profiles(settings),
+            "losses": means,
+        }
+    return entries
+
+
+def tuning_grid(losses: dict[str, float]) -> dict[str, Any]:
+    """A tuning grid as a table: one column per value of the last knob, one row per combination of the others
+    (``rows``, ``columns`` in value order; ``cells`` keyed ``(row, column)``; ``row_knobs``, ``column_knob``)."""
+    cells: dict[tuple[str, str], float] = {}
+    row_order: dict[str, tuple] = {}
+    row_knobs: list[str] = []
+    column_knob = ""
+    for setting, loss in losses.items():
+        values = _setting_values(setting)
+        if not values:
+            continue
+        *others, (column_knob, column) = values.items()
+        row_knobs = [knob for knob, _ in others]
+        row = ", ".join(_label(value) for _, value in others) or "-"
+        row_order[row] = tuple(_value_order(_label(value)) for _, value in others)
+        cells[(row, _label(column))] = loss
+    columns = sorted({column for _, column in cells}, key=_value_order)
+    return {
+        "rows": sorted(row_order, key=row_order.get),
+        "columns": columns,
+        "cells": cells,
+        "row_knobs": row_knobs,
+        "column_knob": column_knob,
+    }
+
+
+def _choice_cell(entry: dict[str, Any]) -> tuple[str, str]:
+    *others, last = entry["choice"].values()
+    return ", ".join(_label(value) for value in others) or "-", _label(last)
+
+
+def tuning_grid_markdown(sweep: str, entries: dict[str, dict[str, Any]]) -> str:
+    """Every tuning loss of every arm, one table per arm (the lowest so far in bold; "-": not run)."""
+    lines = [f"### {sweep}: every tuning loss so far (mean over tuning seeds; bold: the lowest)", ""]
+    for arm, entry in entries.items():
+        grid = tuning_grid(entry["losses"])
+        corner = f"{', '.join(grid['row_knobs']) or '-'} (rows) / {grid['column_knob']} (columns)"
+        lines += [f"**{arm}**", "", f"| {corner} | " + " | ".join(grid["columns"]) + " |"]
+        lines.append("|---|" + "---|" * len(grid["columns"]))
+        for row in grid["rows"]:
+            cells = []
+            for column in grid["columns"]:
+                loss = grid["cells"].get((row, column))
+                text = "-" if loss is None else f"{loss:.4f}"
+                cells.append(f"**{text}**" if (row, column) == _choice_cell(entry) else text)
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+LOSS_FLOOR = 1e-5  # the heatmaps' lowest colour: tuning losses below it are saturated runs, equal for a reader
+
+
+def plot_tuning_grids(entries: dict[str, dict[str, Any]], path: Path, title: str) -> Path | None:
+    """One heatmap per arm of its tuning losses (log colour scale shared by all arms; grey: not run; the lowest
+    outlined), the picture of where each arm learns that the tables spell out."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.patches import Rectangle
+
+    from .plotting import new_figure, save_figure
+
+    if not entries:
+        return None
+    grids = {arm: tuning_grid(entry["losses"]) for arm, entry in entries.items()}
+    whole = tuning_grid({s: loss for entry in entries.values() for s, loss in entry["losses"].items()})
+    row_labels, column_labels = whole["rows"], whole["columns"]  # every panel on the union: grey where not run
+    finite = [v for g in grids.values() for v in g["cells"].values() if math.isfinite(v)]
+    top = math.log10(max(max(finite, default=1.0), LOSS_FLOOR * 10))
+    columns = min(3, len(grids))
+    rows = math.ceil(len(grids) / columns)
+    figure = new_figure(4.0 * columns + 1.0, 0.5 + 2.6 * rows, layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False)
+    image, colours = None, colormaps["viridis"].with_extremes(bad="lightgrey")
+    for axis, (arm, grid) in zip(axes.flat, grids.items(), strict=False):
+        values = np.full((len(row_labels), len(column_labels)), np.nan)
+        middle = (math.log10(LOSS_FLOOR) + top) / 2
+        for (row, column), loss in grid["cells"].items():
+            y, x, shade = row_labels.index(row), column_labels.index(column), math.log10(max(loss, LOSS_FLOOR))
+            values[y, x] = shade
+            colour = "white" if shade < middle else "black"
+            axis.text(x, y, f"{loss:.2g}", ha="center", va="center", fontsize=6, color=colour)
+        image = axis.imshow(
+            np.ma.masked_invalid(values), cmap=colours, vmin=math.log10(LOSS_FLOOR), vmax=top, aspect="auto"
+        )
+        row, column = _choice_cell(entries[arm])
+        if (row, column) in grid["cells"]:
+            corner = (column_labels.index(column) - 0.5, row_labels.index(row) - 0.5)
+            axis.add_patch(Rectangle(corner, 1, 1, fill=False, edgecolor="red", linewidth=2))
+        axis.set_xticks(range(len(column_labels)), column_labels, fontsize=7)
+        axis.set_yticks(range(len(row_labels)), row_labels, fontsize=7)
+        axis.set_xlabel(grid["column_knob"], fontsize=8)
+        axis.set_ylabel(", ".join(grid["row_knobs"]), fontsize=8)
+        axis.set_title(arm, fontsize=9)
+    for axis in list(axes.flat)[len(grids) :]:
+        axis.set_visible(False)
+    figure.colorbar(image, ax=axes, label="log10 tuning loss (nats/token)", shrink=0.8)
+    figure.suptitle(textwrap.fill(title, 100), fontsize=9)
+    return save_figure(figure, path)
 
 
 def _edge_mark(margin: float | None) -> str:
@@ -540,6 +681,10 @@ def build_report(
     for name, by_claim in verdicts.items():
         text += f"\n### {name}: verdicts for qk_map ({VERDICT_NOTE})\n\n"
         text += "\n".join(f"- {claim}: **{result}**" for claim, result in by_claim.items()) + "\n"
+    for name, entries in ((sweep.name, tuning_so_far(sweep)) for sweep in sweeps):
+        if entries:
+            text += "\n" + tuning_grid_markdown(name, entries)
+            plot_tuning_grids(entries, output / f"tuning_grid-{name}.png", f"{name}: tuning loss per grid point")
     plot({k: v for k, v in all_curves.items() if v}, output / "accuracy_curves.png")
     if generalize:
         scored = {sweep.name: generalization(sweep, generalize, scores=output / SCORES_FILE) for sweep in sweeps}
@@ -552,6 +697,26 @@ def build_report(
     return reports
 
 
+def build_tuning_report(sweeps: list[Path], output: Path) -> dict[str, Any]:
+    """The tuning part alone, from the sweeps' CSVs (no report run needed, so it reads a sweep still running):
+    ``tuning.md`` (choices so far, per-knob profiles, every grid point), ``tuning.json``, ``tuning_grid-SWEEP.png``."""
+    tuning = {sweep.name: entries for sweep in sweeps if (entries := tuning_so_far(sweep))}
+    if not tuning:
+        raise FileNotFoundError(f"{', '.join(map(str, sweeps))}: no finished tuning run in any sweep_losses.csv.")
+    output.mkdir(parents=True, exist_ok=True)
+    runs = sum(entry["points"] for entries in tuning.values() for entry in entries.values())
+    text = (
+        f"From every tuning run finished so far ({runs} grid points): a choice here is the lowest loss so far, the "
+        "sweep's own choice only once its grid has run.\n\n" + tuning_markdown(tuning)
+    )
+    for name, entries in tuning.items():
+        text += "\n" + tuning_grid_markdown(name, entries)
+        plot_tuning_grids(entries, output / f"tuning_grid-{name}.png", f"{name}: tuning loss per grid point")
+    atomic_write_json(output / "tuning.json", tuning)
+    atomic_write_text(output / "tuning.md", text)
+    return tuning
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkmap_hf.task_report", description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", nargs="+", type=Path, help="qkmap compare --task --tune output folders")
@@ -560,11 +725,21 @@ def main(argv: list[str] | None = None) -> int:
         "--generalize", nargs="+", default=[], metavar="TASK@LENGTHS",
         help="score the saved report models on these instances too, e.g. mqar:num_pairs=4@64,128,256",
     )  # fmt: skip
+    parser.add_argument(
+        "--tuning-only", action="store_true",
+        help="only the tuning tables and heatmaps, from sweep_losses.csv (works while the sweep runs): tuning.md",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         generalize = [parse_generalize(spec) for spec in args.generalize]
     except ValueError as error:
         parser.error(str(error))
+    if args.tuning_only:
+        if generalize:
+            parser.error("--generalize scores saved report models; --tuning-only reads tuning runs only.")
+        build_tuning_report(args.sweeps, args.output_dir)
+        print((args.output_dir / "tuning.md").read_text())
+        return 0
     build_report(args.sweeps, args.output_dir, generalize)
     print((args.output_dir / "task_report.md").read_text())
     return 0

@@ -560,3 +560,62 @@ def test_task_report_profiles_read_every_tuning_run_finished_so_far_while_a_wide
     (shard / "sweep_losses.csv").write_text("arm,phase,setting,seed,step,split,loss\n" + "\n".join(rows) + "\n")
     profiles = tuning_choices(tmp_path / "mqar")["qk_map"]["profiles"]
     assert profiles["logit_scale_multiplier"] == {"0.5": pytest.approx(0.05), "1": pytest.approx(0.2)}
+
+
+def test_task_report_tuning_only_reads_the_csvs_of_a_running_or_restored_sweep(tmp_path, capsys):
+    """No summary.json and no report run: the choices so far, every grid point, and a heatmap, from the CSVs."""
+    import math
+
+    from qkmap_hf.task_report import main
+
+    losses = {  # (arm, shard, learning_rate, temperature) -> final tuning loss
+        ("qk_map", 0, "0.001", "0.5"): 0.004,
+        ("qk_map", 0, "0.001", "1"): 0.2,
+        ("qk_map", 0, "0.001", "4"): 2.1,
+        ("qk_map", 0, "0.01", "0.5"): 0.9,
+        ("qk_map", 0, "0.01", "1"): 1.5,
+        ("qk_map", 0, "0.01", "4"): 3.0,
+        ("standard", 1, "0.001", "1"): float("nan"),  # diverged: ranks last
+        ("standard", 1, "0.001", "4"): 0.8,
+    }
+    rows = {0: [], 1: []}
+    for (arm, shard, rate, temperature), loss in losses.items():
+        setting = f"learning_rate={rate};logit_scale_multiplier={temperature}"
+        rows[shard] += [
+            f"{arm},tune,{setting},1000,5,validation,0.01",
+            f"{arm},tune,{setting},1000,10,validation,{loss}",
+        ]
+    rows[0].append("qk_map,report,learning_rate=0.01;logit_scale_multiplier=4,0,10,validation,0.0001")
+    for shard, lines in rows.items():
+        folder = tmp_path / "mqar" / f"shard-{shard}"
+        folder.mkdir(parents=True)
+        (folder / "sweep_losses.csv").write_text("arm,phase,setting,seed,step,split,loss\n" + "\n".join(lines) + "\n")
+
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "mqar"), "--output-dir", str(out), "--tuning-only"]) == 0
+    tuning = json.loads((out / "tuning.json").read_text())["mqar"]
+    finite = {key: loss for key, loss in losses.items() if key[0] == "qk_map"}
+    best = min(finite, key=finite.get)
+    assert tuning["qk_map"]["choice"] == {"learning_rate": float(best[2]), "logit_scale_multiplier": float(best[3])}
+    assert tuning["qk_map"]["points"] == 6 and tuning["qk_map"]["tuning_loss"] == pytest.approx(finite[best])
+    assert tuning["qk_map"]["edges"] == ["learning_rate", "logit_scale_multiplier"]  # 0.001 and 0.5: both edges
+    other_temperatures = min(v for k, v in finite.items() if k[3] != best[3])
+    assert tuning["qk_map"]["edge_margins"]["logit_scale_multiplier"] == pytest.approx(
+        other_temperatures - finite[best]
+    )
+    assert tuning["standard"]["choice"]["logit_scale_multiplier"] == 4.0  # the diverged run did not win
+    assert math.isnan(tuning["standard"]["losses"]["learning_rate=0.001;logit_scale_multiplier=1"])
+
+    text = (out / "tuning.md").read_text()
+    assert text in capsys.readouterr().out  # printed too
+    grid = "| learning_rate (rows) / logit_scale_multiplier (columns) | 0.5 | 1 | 4 |"
+    assert grid in text
+    assert "| 0.001 | **0.0040** | 0.2000 | 2.1000 |" in text and "| 0.01 | 0.9000 | 1.5000 | 3.0000 |" in text
+    assert "| 0.001 | nan | **0.8000** |" in text
+    assert (out / "tuning_grid-mqar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    with pytest.raises(SystemExit) as error:
+        main([str(tmp_path / "mqar"), "--output-dir", str(out), "--tuning-only", "--generalize", "mqar@64"])
+    assert error.value.code == 2
+    with pytest.raises(FileNotFoundError, match="no finished tuning run"):
+        main([str(tmp_path / "empty"), "--output-dir", str(out), "--tuning-only"])

@@ -295,18 +295,22 @@ def _final(rows: list[dict], steps: int) -> dict[tuple[str, str, str, int], floa
     }
 
 
-def tuning_losses_so_far(out: Path, steps: int) -> dict[str, dict[str, dict[str, float]]]:
+def tuning_losses_so_far(out: Path, steps: int | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """``{arm: {setting: {seed: final loss}}}`` of every tuning run finished in ``out/sweep_losses.csv``, also while
-    the sweep is still running (``summary.json`` is written when it ends)."""
+    the sweep is still running (``summary.json`` is written when it ends). ``steps`` defaults to the last validation
+    step of the tuning rows: a run's rows reach the CSV only when it ends (a diverged one's at ``steps`` too)."""
+    rows = _read(out / "sweep_losses.csv")
+    if steps is None:
+        steps = max((r["step"] for r in rows if r["phase"] == "tune" and r["split"] == "validation"), default=-1)
     losses: dict[str, dict[str, dict[str, float]]] = {}
-    for (arm, phase, setting, seed), loss in _final(_read(out / "sweep_losses.csv"), steps).items():
+    for (arm, phase, setting, seed), loss in _final(rows, steps).items():
         if phase == "tune":
             losses.setdefault(arm, {}).setdefault(setting, {})[str(seed)] = loss
     return losses
 
 
-def _rank(loss: float) -> float:
-    """A diverged run (NaN loss) ranks last."""
+def loss_rank(loss: float) -> float:
+    """The key that orders tuning losses: a diverged run (NaN loss) ranks last."""
     return math.inf if math.isnan(loss) else loss
 
 
@@ -395,7 +399,7 @@ def run_sweep(sweep: SweepOptions) -> dict:
             if len(points) > 1
         }
         choices[variant.label] = (
-            points[0] if len(points) == 1 else min(points, key=lambda p: _rank(means[setting_id(p)]))
+            points[0] if len(points) == 1 else min(points, key=lambda p: loss_rank(means[setting_id(p)]))
         )
     for seed in sweep.report_seeds:  # 2. report: each arm's choice on fresh seeds and the report split
         for variant in options.variants:
