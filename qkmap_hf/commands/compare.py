@@ -58,7 +58,12 @@ def run(args: argparse.Namespace) -> int:
         from ..training.sweep import SweepOptions, run_sweep
 
         options.qk_norm_in_qk_group = True
-        run_sweep(SweepOptions(options, tuning))
+        result = run_sweep(SweepOptions(options, tuning))
+        if tuning.tune_only:
+            runs = sum(len(settings) for settings in result["tuning_losses"].values())
+            print(f"{runs} tuning runs finished in {args.output_dir}/sweep_losses.csv; run again without --tune-only "
+                  "to choose each arm's setting and report it")  # fmt: skip
+            return 0
         print((Path(args.output_dir) / "summary.md").read_text())
         print(f"wrote {args.output_dir}/summary.json, summary.md, sweep_losses.csv, validation_loss.png")
         return 0

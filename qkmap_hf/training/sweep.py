@@ -63,9 +63,18 @@ class TuningOptions:
     tuning_seeds: int = field(default=1, metadata={"help": "seeds per grid point in tuning"})
     tuning_first_seed: int = field(default=1000, metadata={"help": "first tuning seed"})
     save_models: bool = field(default=False, metadata={"help": "keep each report run as a checkpoint in OUT/models"})
+    tune_only: bool = field(
+        default=False,
+        metadata={
+            "help": "run the tuning grid only, no choice, report runs or summary: a sweep split over several "
+            "sittings or machines (copy sweep_losses.csv along); run again without it to choose and report"
+        },
+    )
 
     def __post_init__(self) -> None:
         check_numbers(self, positive=("tuning_seeds",), non_negative=("tuning_first_seed",))
+        if self.tune_only and not self.tune:
+            raise ValueError("--tune-only runs a tuning grid: give it one with --tune NAME=V1,V2,...")
 
     @property
     def grid(self) -> dict[str, list]:
@@ -390,6 +399,8 @@ def run_sweep(sweep: SweepOptions) -> dict:
                     folder,
                     False,
                 )
+        if sweep.tuning.tune_only:
+            continue
         finals = _final(rows, options.steps)
         means = {
             setting_id(p): statistics.fmean(
@@ -401,6 +412,8 @@ def run_sweep(sweep: SweepOptions) -> dict:
         choices[variant.label] = (
             points[0] if len(points) == 1 else min(points, key=lambda p: loss_rank(means[setting_id(p)]))
         )
+    if sweep.tuning.tune_only:
+        return {"tuning_losses": tuning_losses_so_far(out, options.steps)}
     for seed in sweep.report_seeds:  # 2. report: each arm's choice on fresh seeds and the report split
         for variant in options.variants:
             point = choices[variant.label]
