@@ -11,7 +11,8 @@
 # saved model of every instance, which the report summarises per arm over seeds with paired intervals.
 # Arms: the modes, both position-prior controls, F = 1/2/4 at equal key width (32), the compact layout (keys as wide
 # as head_dim) and the constant-cos control. Resumable: a rerun skips finished runs; widening a grid runs only the
-# new points.
+# new points. With --tune-only among the extra flags only the tuning grid runs (a sweep split over sittings or
+# machines: copy each shard's sweep_losses.csv and timing.json along), and the report is the tuning tables alone.
 #   usage: benchmarks/synthetic_tasks.sh [OUTPUT_DIR] [extra qkmap compare flags...]
 set -euo pipefail
 OUT=${1:-runs/synthetic}
@@ -43,6 +44,10 @@ for instance in "${instances[@]}"; do
 done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+if [[ " $* " == *" --tune-only "* ]]; then
+    python -m qkmap_hf.task_report "${folders[@]}" --tuning-only --output-dir "$OUT/report" || status=1
+    exit $status
+fi
 for index in "${!folders[@]}"; do
     instance=${instances[index]} task=${instance%@*} length=${instance##*@}
     mapfile -t models < <(ls -d "${folders[index]}"/shard-*/models/*/seed* 2>/dev/null)
