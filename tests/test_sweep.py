@@ -178,3 +178,32 @@ def test_tune_only_runs_the_grid_alone_and_a_later_sweep_reuses_it(tmp_path):
     assert summary["arms"]["standard"]["report_losses"].keys() == {"0"}
     with pytest.raises(ValueError, match="--tune-only runs a tuning grid"):
         TuningOptions(tune_only=True)
+
+
+def test_tie_tolerance_prefers_the_untuned_values_among_saturated_settings():
+    from qkmap_hf.modeling.configuration_qkmap import QKMapConfig
+    from qkmap_hf.training.presets import get_preset
+    from qkmap_hf.training.sweep import choose_setting, untuned_values
+
+    losses = {  # saturated runs: the lowest sits on the temperature grid's edge by noise
+        "learning_rate=0.001;logit_scale_multiplier=0.0625": 1.6e-5,
+        "learning_rate=0.001;logit_scale_multiplier=0.5": 2.0e-5,
+        "learning_rate=0.003;logit_scale_multiplier=0.5": 3.0e-5,
+        "learning_rate=0.003;logit_scale_multiplier=1": 0.2,
+        "learning_rate=0.01;logit_scale_multiplier=1": float("nan"),
+    }
+    values = {s: {k: float(v) for k, v in (i.split("=") for i in s.split(";"))} for s in losses}
+    options = CompareOptions(data=["x"], output_dir="unused", preset="tiny", variants=[parse_variant("qk_map")])
+    untuned = untuned_values(options.variants[0], ["learning_rate", "logit_scale_multiplier"], options)
+    assert untuned == {
+        "learning_rate": get_preset("tiny").learning_rate,
+        "logit_scale_multiplier": QKMapConfig().logit_scale_multiplier,
+    }
+    lowest = min((v, s) for s, v in losses.items() if not math.isnan(v))[1]
+    assert choose_setting(losses, values, untuned) == lowest  # no tolerance: the lowest loss
+    nearest = "learning_rate=0.003;logit_scale_multiplier=0.5"  # within 1e-3, and nearest (3e-3, x1)
+    assert untuned["learning_rate"] == 0.003 and choose_setting(losses, values, untuned, 1e-3) == nearest
+    assert choose_setting(losses, values, untuned, 1.0) == "learning_rate=0.003;logit_scale_multiplier=1"
+    assert choose_setting({"a": float("nan"), "b": 5.0}, {"a": {}, "b": {}}, {}, 0.0) == "b"  # diverged: last
+    with pytest.raises(ValueError, match="tie_tolerance|tie-tolerance"):
+        TuningOptions(tune=["learning_rate=1e-3"], tie_tolerance=-1.0)

@@ -63,6 +63,14 @@ class TuningOptions:
     tuning_seeds: int = field(default=1, metadata={"help": "seeds per grid point in tuning"})
     tuning_first_seed: int = field(default=1000, metadata={"help": "first tuning seed"})
     save_models: bool = field(default=False, metadata={"help": "keep each report run as a checkpoint in OUT/models"})
+    tie_tolerance: float = field(
+        default=0.0,
+        metadata={
+            "help": "tuning losses within this much of the lowest are ties (saturated runs differ by noise); "
+            "among ties the choice is the setting nearest the arm's untuned values (summed |log ratio| per "
+            "knob), then the lower loss. 0: the lowest loss"
+        },
+    )
     tune_only: bool = field(
         default=False,
         metadata={
@@ -72,7 +80,7 @@ class TuningOptions:
     )
 
     def __post_init__(self) -> None:
-        check_numbers(self, positive=("tuning_seeds",), non_negative=("tuning_first_seed",))
+        check_numbers(self, positive=("tuning_seeds",), non_negative=("tuning_first_seed", "tie_tolerance"))
         if self.tune_only and not self.tune:
             raise ValueError("--tune-only runs a tuning grid: give it one with --tune NAME=V1,V2,...")
 
@@ -169,6 +177,47 @@ def arm_grid(variant: Variant, tune: dict[str, list], options: CompareOptions) -
         if point not in points:
             points.append(point)
     return points, inert
+
+
+def untuned_values(variant: Variant, knobs: list[str], options: CompareOptions) -> dict[str, Any]:
+    """What each tuned knob is for this arm without tuning: its own or the comparison's setting, else the preset's
+    learning rate or the config default (``logit_scale_multiplier`` 1)."""
+    from .presets import get_preset, preset_config
+
+    config = preset_config(options.preset, variant.qk_mode, **{**options.config, **variant.config})
+    values: dict[str, Any] = {}
+    for knob in knobs:
+        if knob in TRAIN_KEYS:
+            value = variant.train.get(knob, getattr(options, knob, None))
+            if value is None and knob == "learning_rate":
+                value = get_preset(options.preset).learning_rate
+        else:
+            value = getattr(config, knob, None)
+        values[knob] = value
+    return values
+
+
+def distance_to(values: dict[str, Any], reference: dict[str, Any]) -> float:
+    """Summed ``|log(value / reference)|`` over the knobs (1 for a non-numeric or missing value that differs)."""
+    total = 0.0
+    for knob, value in values.items():
+        other = reference.get(knob)
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (value, other))
+        total += abs(math.log(value / other)) if numeric else float(value != other)
+    return total
+
+
+def choose_setting(
+    losses: dict[str, float], values: dict[str, dict[str, Any]], untuned: dict[str, Any], tolerance: float = 0.0
+) -> str:
+    """The tuning choice among ``losses`` (setting -> mean tuning loss): the lowest; with a ``tolerance``, among
+    the settings within it of the lowest, the one nearest the untuned values (``values``: each setting's knobs),
+    then the lower loss. A diverged run (NaN) ranks last; equal keys keep the grid's order."""
+    best = min(loss_rank(loss) for loss in losses.values())
+    tied = [setting for setting, loss in losses.items() if loss_rank(loss) <= best + tolerance]
+    if tolerance <= 0:
+        return min(tied, key=lambda setting: loss_rank(losses[setting]))
+    return min(tied, key=lambda setting: (distance_to(values[setting], untuned), loss_rank(losses[setting])))
 
 
 def apply_point(variant: Variant, point: dict[str, Any]) -> Variant:
@@ -409,9 +458,13 @@ def run_sweep(sweep: SweepOptions) -> dict:
             for p in points
             if len(points) > 1
         }
-        choices[variant.label] = (
-            points[0] if len(points) == 1 else min(points, key=lambda p: loss_rank(means[setting_id(p)]))
-        )
+        if len(points) == 1:
+            choices[variant.label] = points[0]
+            continue
+        by_setting = {setting_id(p): p for p in points}
+        untuned = untuned_values(variant, list(points[0]), options)
+        chosen = choose_setting(means, by_setting, untuned, sweep.tuning.tie_tolerance)
+        choices[variant.label] = by_setting[chosen]
     if sweep.tuning.tune_only:
         return {"tuning_losses": tuning_losses_so_far(out, options.steps)}
     for seed in sweep.report_seeds:  # 2. report: each arm's choice on fresh seeds and the report split
@@ -453,6 +506,7 @@ def run_sweep(sweep: SweepOptions) -> dict:
         "warmup": options.warmup,
         "config": options.config,
         "tune": sweep.tune,
+        "tie_tolerance": sweep.tuning.tie_tolerance,
         "data_stats": stats.to_dict(),
         "train_blocks": len(train_set),
     }
