@@ -35,7 +35,13 @@ from typing import Any
 
 from .fileio import atomic_write_json, atomic_write_text
 from .stability import BASELINES, TRAINING_RECORD
-from .training.sweep import format_interval, loss_rank, on_grid_edge, paired_interval, tuning_losses_so_far
+from .training.sweep import (
+    choose_setting,
+    format_interval,
+    on_grid_edge,
+    paired_interval,
+    tuning_losses_so_far,
+)
 
 THRESHOLDS = (0.5, 0.9)
 VERDICT_NOTE = "paper_claims' rule: paired 95 % intervals over report seeds against every judged baseline"
@@ -201,7 +207,7 @@ def tuning_so_far(sweep: Path) -> dict[str, dict[str, Any]]:
     entries: dict[str, dict[str, Any]] = {}
     for arm, settings in sorted(runs.items()):
         means = {setting: statistics.fmean(seeds.values()) for setting, seeds in settings.items() if seeds}
-        choice = min(means, key=lambda setting: loss_rank(means[setting]))
+        choice = choose_setting(means, {}, {})  # the sweep's rule without a tie tolerance: the lowest loss so far
         values = _setting_values(choice) or {}
         grid: dict[str, set] = {}
         for setting in means:
