@@ -322,6 +322,62 @@ def forget_diverged(out: Path) -> list[str]:
     return sorted(diverged)
 
 
+def reshard(sources: list[Path], out: Path, arms: list[str], shards: int) -> dict[str, list[str]]:
+    """Lay the runs of sweep folders out again as ``out/shard-K``, shard K holding every ``shards``-th arm of
+    ``arms`` (the assignment of ``benchmarks/sharded_compare.sh``): the rows of ``sweep_losses.csv``, ``timing.json``,
+    ``diverged.json`` and the report runs' folders (``models/ARM``, ``runs/report/ARM``). A sweep can then change its
+    number of processes between sittings (one arm per process keeps every core busy to the end) and rerun nothing.
+    A run found in several sources is taken from the one holding most of its rows (a finished copy over a partial
+    one). Returns ``{shard folder name: its arms}``."""
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
+    taken = sorted(p.name for p in out.glob("shard-*")) if out.exists() else []
+    if taken:
+        raise ValueError(f"{out} already holds {', '.join(taken)}; give an empty or new output folder")
+    runs: dict[tuple, tuple[Path, list[dict]]] = {}
+    timing: dict[tuple[Path, str], float] = {}
+    diverged: dict[str, dict] = {}
+    for source in sources:
+        if not (source / "sweep_losses.csv").exists():
+            raise ValueError(f"{source} holds no sweep_losses.csv: give the folders of a qkmap compare --tune sweep")
+        by_run: dict[tuple, list[dict]] = defaultdict(list)
+        for row in _read(source / "sweep_losses.csv"):
+            by_run[_run_of(row)].append(row)
+        for run, rows in by_run.items():
+            if len(rows) > len(runs.get(run, (None, []))[1]):
+                runs[run] = (source, rows)
+        if (source / "timing.json").exists():
+            timing |= {(source, k): v for k, v in json.loads((source / "timing.json").read_text()).items()}
+        if (source / DIVERGED_FILE).exists():
+            diverged |= json.loads((source / DIVERGED_FILE).read_text())
+    unknown = sorted({run[0] for run in runs} - set(arms))
+    if unknown:
+        raise ValueError(f"arms {unknown} are in the sources but not in the arms given")
+    layout = {f"shard-{k}": arms[k::shards] for k in range(shards)}
+    for name, shard_arms in layout.items():
+        folder = out / name
+        folder.mkdir(parents=True)
+        mine = [run for run in runs if run[0] in shard_arms]
+        _write(folder / "sweep_losses.csv", [row for run in sorted(mine) for row in runs[run][1]])
+        keys = {"/".join(map(str, run)) for run in mine}
+        atomic_write_json(  # a run's time from the source its rows came from
+            folder / "timing.json",
+            {
+                key: timing[runs[run][0], key]
+                for run in mine
+                if (runs[run][0], key := "/".join(map(str, run))) in timing
+            },
+        )
+        if any(k in keys for k in diverged):
+            atomic_write_json(folder / DIVERGED_FILE, {k: v for k, v in diverged.items() if k in keys})
+        for run in (run for run in mine if run[1] == "report"):  # from the source its rows came from
+            for saved in (True, False):
+                kept = run_folder(runs[run][0], *run, saved)
+                if kept.is_dir():
+                    shutil.copytree(kept, run_folder(folder, *run, saved))
+    return layout
+
+
 def _run_of(row: dict) -> tuple[str, str, str, int]:
     return row["arm"], row["phase"], row["setting"], row["seed"]
 
