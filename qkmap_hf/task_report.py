@@ -257,9 +257,20 @@ def _choice_cell(entry: dict[str, Any]) -> tuple[str, str]:
     return ", ".join(_label(value) for value in others) or "-", _label(last)
 
 
+CHOICE_NOTE = "the sweep's choice, or the lowest so far where the sweep has not chosen yet"
+
+
+def with_sweep_choices(entries: dict[str, dict[str, Any]], chosen: dict[str, dict[str, Any]]) -> dict[str, dict]:
+    """``tuning_so_far``'s entries with each arm's choice replaced by the sweep's own where its summary has one (the
+    sweep's rule, a tie tolerance included, can choose other than the lowest loss)."""
+    return {
+        arm: {**entry, **({"choice": chosen[arm]["choice"]} if arm in chosen else {})} for arm, entry in entries.items()
+    }
+
+
 def tuning_grid_markdown(sweep: str, entries: dict[str, dict[str, Any]]) -> str:
-    """Every tuning loss of every arm, one table per arm (the lowest so far in bold; "-": not run)."""
-    lines = [f"### {sweep}: every tuning loss so far (mean over tuning seeds; bold: the lowest)", ""]
+    """Every tuning loss of every arm, one table per arm (the entry's choice in bold; "-": not run)."""
+    lines = [f"### {sweep}: every tuning loss so far (mean over tuning seeds; bold: {CHOICE_NOTE})", ""]
     for arm, entry in entries.items():
         grid = tuning_grid(entry["losses"])
         corner = f"{', '.join(grid['row_knobs']) or '-'} (rows) / {grid['column_knob']} (columns)"
@@ -280,8 +291,8 @@ LOSS_FLOOR = 1e-5  # the heatmaps' lowest colour: tuning losses below it are sat
 
 
 def plot_tuning_grids(entries: dict[str, dict[str, Any]], path: Path, title: str) -> Path | None:
-    """One heatmap per arm of its tuning losses (log colour scale shared by all arms; grey: not run; the lowest
-    outlined), the picture of where each arm learns that the tables spell out."""
+    """One heatmap per arm of its tuning losses (log colour scale shared by all arms; grey: not run; the entry's
+    choice outlined), the picture of where each arm learns that the tables spell out."""
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.patches import Rectangle
@@ -687,7 +698,9 @@ def build_report(
     for name, by_claim in verdicts.items():
         text += f"\n### {name}: verdicts for qk_map ({VERDICT_NOTE})\n\n"
         text += "\n".join(f"- {claim}: **{result}**" for claim, result in by_claim.items()) + "\n"
-    for name, entries in ((sweep.name, tuning_so_far(sweep)) for sweep in sweeps):
+    for name, entries in (
+        (sweep.name, with_sweep_choices(tuning_so_far(sweep), tuning.get(sweep.name, {}))) for sweep in sweeps
+    ):
         if entries:
             text += "\n" + tuning_grid_markdown(name, entries)
             plot_tuning_grids(entries, output / f"tuning_grid-{name}.png", f"{name}: tuning loss per grid point")

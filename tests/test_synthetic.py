@@ -619,3 +619,32 @@ def test_task_report_tuning_only_reads_the_csvs_of_a_running_or_restored_sweep(t
     assert error.value.code == 2
     with pytest.raises(FileNotFoundError, match="no finished tuning run"):
         main([str(tmp_path / "empty"), "--output-dir", str(out), "--tuning-only"])
+
+
+def test_task_report_grid_marks_the_sweeps_choice_where_its_tie_rule_passed_over_the_lowest(tmp_path):
+    """A sweep with --tie-tolerance can choose a setting whose tuning loss is not the lowest: the full report's grid
+    tables (and heatmap) mark the sweep's choice, as its choices table does, not the lowest loss."""
+    from qkmap_hf.task_report import build_report
+
+    shard = tmp_path / "mqar" / "shard-0"
+    run = shard / "models" / "qk_map" / "seed0"
+    run.mkdir(parents=True)
+    history = [{"step": 0, "eval_accuracy": 0.0}, {"step": 10, "eval_accuracy": 1.0}]
+    (run / "qkmap_training.json").write_text(json.dumps({"log_history": history}))
+    chosen, lowest = "learning_rate=0.003;logit_scale_multiplier=1", "learning_rate=0.001;logit_scale_multiplier=1"
+    losses = {chosen: 0.0007, lowest: 0.0002}
+    rows = [f"qk_map,tune,{setting},1000,10,validation,{loss}" for setting, loss in losses.items()]
+    (shard / "sweep_losses.csv").write_text("arm,phase,setting,seed,step,split,loss\n" + "\n".join(rows) + "\n")
+    summary = {
+        "settings": {"tune": {"learning_rate": [1e-3, 3e-3], "logit_scale_multiplier": [1]}, "steps": 10},
+        "arms": {"qk_map": {"choice": chosen, "choice_values": {"learning_rate": 3e-3, "logit_scale_multiplier": 1},
+                            "tuning_losses": {s: {"1000": loss} for s, loss in losses.items()}}},
+    }  # fmt: skip
+    (shard / "summary.json").write_text(json.dumps(summary))
+
+    build_report([tmp_path / "mqar"], tmp_path / "out")
+    text = (tmp_path / "out" / "task_report.md").read_text()
+    grid = text[text.index("every tuning loss so far") :]
+    assert "| 0.003 | **0.0007** |" in grid and "| 0.001 | 0.0002 |" in grid
+    assert "| qk_map | 0.003* (by -0.0005) | 1 | 0.0007 | 2 |" in text  # the choices table: an edge, lost by 5e-4
+    assert (tmp_path / "out" / "tuning_grid-mqar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
