@@ -15,7 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from qkmap_hf.training.sweep import reshard
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, where no install points at it
+
+from qkmap_hf.training.sweep import reshard  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
