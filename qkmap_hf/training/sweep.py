@@ -335,8 +335,7 @@ def reshard(sources: list[Path], out: Path, arms: list[str], shards: int) -> dic
     if taken:
         raise ValueError(f"{out} already holds {', '.join(taken)}; give an empty or new output folder")
     runs: dict[tuple, tuple[Path, list[dict]]] = {}
-    timing: dict[tuple[Path, str], float] = {}
-    diverged: dict[str, dict] = {}
+    records: dict[Path, tuple[dict, dict]] = {}  # per source: its timing.json and diverged.json
     for source in sources:
         if not (source / "sweep_losses.csv").exists():
             raise ValueError(f"{source} holds no sweep_losses.csv: give the folders of a qkmap compare --tune sweep")
@@ -346,10 +345,10 @@ def reshard(sources: list[Path], out: Path, arms: list[str], shards: int) -> dic
         for run, rows in by_run.items():
             if len(rows) > len(runs.get(run, (None, []))[1]):
                 runs[run] = (source, rows)
-        if (source / "timing.json").exists():
-            timing |= {(source, k): v for k, v in json.loads((source / "timing.json").read_text()).items()}
-        if (source / DIVERGED_FILE).exists():
-            diverged |= json.loads((source / DIVERGED_FILE).read_text())
+        records[source] = tuple(
+            json.loads(path.read_text()) if path.exists() else {}
+            for path in (source / "timing.json", source / DIVERGED_FILE)
+        )
     unknown = sorted({run[0] for run in runs} - set(arms))
     if unknown:
         raise ValueError(f"arms {unknown} are in the sources but not in the arms given")
@@ -357,20 +356,17 @@ def reshard(sources: list[Path], out: Path, arms: list[str], shards: int) -> dic
     for name, shard_arms in layout.items():
         folder = out / name
         folder.mkdir(parents=True)
-        mine = [run for run in runs if run[0] in shard_arms]
-        _write(folder / "sweep_losses.csv", [row for run in sorted(mine) for row in runs[run][1]])
-        keys = {"/".join(map(str, run)) for run in mine}
-        atomic_write_json(  # a run's time from the source its rows came from
-            folder / "timing.json",
-            {
-                key: timing[runs[run][0], key]
-                for run in mine
-                if (runs[run][0], key := "/".join(map(str, run))) in timing
-            },
-        )
-        if any(k in keys for k in diverged):
-            atomic_write_json(folder / DIVERGED_FILE, {k: v for k, v in diverged.items() if k in keys})
-        for run in (run for run in mine if run[1] == "report"):  # from the source its rows came from
+        mine = sorted(run for run in runs if run[0] in shard_arms)
+        _write(folder / "sweep_losses.csv", [row for run in mine for row in runs[run][1]])
+        timing, diverged = {}, {}  # each run's records from the source its rows came from
+        for run in mine:
+            key, (source_timing, source_diverged) = _run_key(*run), records[runs[run][0]]
+            timing |= {key: source_timing[key]} if key in source_timing else {}
+            diverged |= {key: source_diverged[key]} if key in source_diverged else {}
+        atomic_write_json(folder / "timing.json", timing)
+        if diverged:
+            atomic_write_json(folder / DIVERGED_FILE, diverged)
+        for run in (run for run in mine if run[1] == "report"):
             for saved in (True, False):
                 kept = run_folder(runs[run][0], *run, saved)
                 if kept.is_dir():
@@ -380,6 +376,11 @@ def reshard(sources: list[Path], out: Path, arms: list[str], shards: int) -> dic
 
 def _run_of(row: dict) -> tuple[str, str, str, int]:
     return row["arm"], row["phase"], row["setting"], row["seed"]
+
+
+def _run_key(arm: str, phase: str, setting: str, seed: int) -> str:
+    """A run's key in ``timing.json`` and ``diverged.json``: ``ARM/PHASE/SETTING/SEED``."""
+    return f"{arm}/{phase}/{setting}/{seed}"
 
 
 def _history_rows(arm: str, phase: str, setting: str, seed: int, history: list[dict]) -> list[dict]:
@@ -474,7 +475,7 @@ def run_sweep(sweep: SweepOptions) -> dict:
             logging_steps=logging_steps,
             save=save,
         )
-        key = f"{variant.label}/{phase}/{setting}/{seed}"
+        key = _run_key(variant.label, phase, setting, seed)
         timing[key] = time.time() - started
         rows += _history_rows(variant.label, phase, setting, seed, result.log_history)
         if result.diverged is not None:  # recorded with L0 as its final loss (Wortsman et al. 2023)
