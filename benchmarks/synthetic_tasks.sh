@@ -3,7 +3,8 @@
 #
 # Per task instance (INSTANCES, "TASK@LENGTH" each): every arm on preset tiny (2 layers x 64, 4 heads x 16, GQA 4/2),
 # batch BATCH_SIZE (16), STEPS steps, answer-only loss, evaluated every 100 steps; tuned on learning rate
-# (LEARNING_RATES) x temperature (logit_scale_multiplier: TEMPERATURES, 1,4) on the tuning split with tuning seed
+# (LEARNING_RATES, 3e-4 ... 3e-2) x temperature (logit_scale_multiplier: TEMPERATURES, x0.0625 ... x16: the grid
+# inside which every arm's choice fell on both tasks; {1, 4} left QK-MAP on its edge) on the tuning split with tuning seed
 # 1000, each arm's choice rerun with report seeds 0, 1, 2 on the disjoint report split and saved. The instances run
 # side by side, one niced one-thread process each (SHARDS=1 of benchmarks/sharded_compare.sh; SHARDS=2 splits an
 # instance's arms over two). Then the accuracy report (qkmap_hf.task_report, with the saved models scored on other
@@ -20,8 +21,8 @@ shift || true
 STEPS=${STEPS:-2000}
 BATCH_SIZE=${BATCH_SIZE:-16}
 SHARDS=${SHARDS:-1}
-LEARNING_RATES=${LEARNING_RATES:-1e-3,3e-3,1e-2}
-TEMPERATURES=${TEMPERATURES:-1,4}
+LEARNING_RATES=${LEARNING_RATES:-3e-4,1e-3,3e-3,1e-2,3e-2}
+TEMPERATURES=${TEMPERATURES:-0.0625,0.125,0.25,0.5,1,4,16}
 INSTANCES=${INSTANCES:-"mqar:num_pairs=2@64 salience:levels=128@64"}
 GENERALIZE=${GENERALIZE:-"mqar:num_pairs=1@64,128,256,512 mqar:num_pairs=2@64,128,256,512
     mqar:num_pairs=4@64,128,256,512 mqar:num_pairs=8@64,128,256,512 salience:levels=128@32,64,128,256,512"}
