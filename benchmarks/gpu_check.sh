@@ -17,7 +17,10 @@
 #      step, forward, prefill and decode against standard, activation and cache bytes;
 #   4. benchmarks/shape_grid.py (sdpa, bf16) on a GPU-sized subset of the issue-23 grid: head_dim 64 and 128,
 #      16 heads with and without GQA 4:1, 2 layers, T = 2048: per shape the same ratios with their matmul-FLOP
-#      floors and the KV-cache bytes per token after generate() (dynamic and static cache).
+#      floors (decode also its memory floor) and the KV-cache bytes per token after generate() (dynamic and
+#      static cache);
+#   5. the same grid's decoding with a StaticCache (--decode-cache static, the cache of generate(
+#      cache_implementation="static") and of compiled decoding): decode ratios, the cache written in place.
 # It ends with the PASS/FAIL list and ONE Markdown table of every benchmark step's ratios (shape_grid.py
 # --summarize; also written to $OUT/summary_table.md), to paste into docs/performance.md.
 # The timeouts are caps, not measurements: this script has never run on a GPU (none was lent so far).
@@ -61,8 +64,8 @@ if [[ $MODE == gpu ]]; then
     OTHER_SIZES=(--seq-lens 1024 --max-train-len 1024 --prefill-len 1024 --decode-tokens 16)
     GRID=(--head-dims 64 128 --heads 16 --kv-ratios 1 4 --layers 2 --seq-lens 2048 --batch 4 --repeats 3
           --decode-tokens 16 --variants standard qk_norm qk_map_compact qk_map_wide)
-    # 285 s of step timeouts at most, plus start-up and the summary table (a few seconds): <= 5 minutes
-    T_TESTS=50 T_PATHS=50 T_SDPA=45 T_FLEX=45 T_FLASH=35 T_GRID=60
+    # 290 s of step timeouts at most, plus start-up and the summary table (a few seconds): <= 5 minutes
+    T_TESTS=45 T_PATHS=45 T_SDPA=45 T_FLEX=40 T_FLASH=35 T_GRID=55 T_GRID_STATIC=25
 else
     echo "CPU smoke: the GPU steps at tiny sizes on the CPU; flash-attention 2 needs CUDA and is not run"
     DEVICE=cpu DTYPE=float32
@@ -72,10 +75,10 @@ else
     OTHER_SIZES=(--seq-lens 64 --max-train-len 0 --prefill-len 32 --decode-tokens 4)  # no flex backward on CPU
     GRID=(--head-dims 16 --heads 4 --kv-ratios 1 4 --layers 1 --seq-lens 32 --repeats 1 --decode-tokens 2
           --kv-prompt-len 4 --kv-new-tokens 2 --threads 1)
-    T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120  # caps; the whole smoke takes ~2 minutes
+    T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120 T_GRID_STATIC=120  # caps; ~2 minutes
 fi
 
-rm -rf "$OUT"/bench_* "$OUT/grid"  # the table at the end must not show an earlier run's CSVs
+rm -rf "$OUT"/bench_* "$OUT/grid" "$OUT/grid_static"  # the table at the end must not show an earlier run's CSVs
 step gpu_tests "$T_TESTS" env QKMAP_TEST_DEVICE="$DEVICE" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
 step kernel_paths "$T_PATHS" python3 benchmarks/kernel_paths.py --device "$DEVICE" --dtype "$DTYPE" --paths "${PATHS[@]}"
 for path in "${PATHS[@]}"; do
@@ -90,11 +93,15 @@ done
 
 step grid "$T_GRID" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype "$DTYPE" --attn sdpa "${GRID[@]}" \
     --output-dir "$OUT/grid"
+step grid_static "$T_GRID_STATIC" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype "$DTYPE" --attn sdpa \
+    "${GRID[@]}" --no-train --decode-cache static --output-dir "$OUT/grid_static"
 
 echo "=== summary ($MODE; logs and CSVs under $OUT)"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
 RUNS=()
 for path in "${PATHS[@]}"; do RUNS+=("bench_$path=$OUT/bench_$path"); done
-echo "=== one table of every benchmark step (cost ratio vs standard, median [min-max] over repeats; floors: matmul FLOPs)"
-python3 benchmarks/shape_grid.py --summarize "${RUNS[@]}" "grid=$OUT/grid" | tee "$OUT/summary_table.md"
+echo "=== one table of every benchmark step (cost ratio vs standard, median [min-max] over repeats; floors: matmul" \
+     "FLOPs, and for decode / memory: elements moved per token)"
+python3 benchmarks/shape_grid.py --summarize "${RUNS[@]}" "grid=$OUT/grid" "grid_static=$OUT/grid_static" \
+    | tee "$OUT/summary_table.md"
 [[ $FAILED -eq 0 ]] || { echo "gpu_check: FAILED (see above)" >&2; exit 1; }

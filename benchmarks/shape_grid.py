@@ -7,8 +7,10 @@ min..max over repeats), the saved activation bytes (``saved_tensors_hooks`` acco
 token after ``generate`` with a DynamicCache and a StaticCache, and for every time ratio the arithmetic floor:
 the ratio of matmul FLOPs (projections, QK^T over keys 2Fm wide, PV over values padded to the key width where the
 kernel pads them, MLP, LM head) that the layout forces, so "measured vs floor" says what is overhead above the
-kernel's cost. Writes a summary and a raw CSV, a Markdown table and a plot of ratio against shape; names the worst
-shape per metric and, with ``--profile-worst``, prints torch.profiler's top ops there (variant and standard).
+kernel's cost; decode also gets a memory floor, the ratio of elements one token moves (weights once, the cache as
+often as the decode cache passes over it: 3 for a DynamicCache, 1 for ``--decode-cache static``). Writes a
+summary and a raw CSV, a Markdown table and a plot of ratio against shape; names the worst shape per metric and,
+with ``--profile-worst``, prints torch.profiler's top ops there (variant and standard).
 
     python benchmarks/shape_grid.py --threads 2 --repeats 7 --output-dir runs/shape_grid          # full grid
     python benchmarks/shape_grid.py --head-dims 64 --heads 2 --kv-ratios 1 --layers 2 --seq-lens 64 \\
@@ -38,9 +40,11 @@ from qkmap_hf.modeling.attention_qkmap import QKMapAttention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_overhead import (  # noqa: E402
+    DECODE_CACHES,
     MODEL_SIZE,
     PREFILL_CALLS,
     VARIANTS,
+    WARMUP_REPEATS,
     build,
     kv_cache_bytes,
     measure,
@@ -71,6 +75,7 @@ SUMMARY_FIELDS = (
     "layers",
     "hidden_size",
     "seq_len",
+    "decode_cache",
     "variant",
     "metric",
     "median",
@@ -78,6 +83,7 @@ SUMMARY_FIELDS = (
     "ratio_min",
     "ratio_max",
     "floor_ratio",
+    "memory_floor_ratio",
 )
 
 
@@ -156,6 +162,65 @@ def floor_ratio(size: dict, variant: str, metric: str, seq_len: int, attn: str =
     )
 
 
+# Passes over the whole key/value cache in one decoded token. DynamicCache: ``torch.cat`` reads the old cache and
+# writes the grown one (``DynamicLayer.update``), then attention reads it. StaticCache: the token is written in
+# place, attention reads the preallocated buffer once.
+CACHE_PASSES = {"dynamic": 3, "static": 1}
+
+
+def decode_elements_moved(
+    config, seq_len: int, attn: str = "sdpa", cache_passes: int = CACHE_PASSES["dynamic"]
+) -> float:
+    """Tensor elements one decoded token must move through memory against a cache of ``seq_len``: every matmul
+    weight once (at batch 1 each is read for one token's worth of FLOPs) and the cache ``cache_passes`` times, keys
+    as cached (after the feature map, ``2Fm`` wide) and values as stored; values the kernel pads are written and
+    read once more at the padded width. Activations of one token are left out (a few rows)."""
+    heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    head_dim, projection, query_key = config.head_dim, config.projection_dim, config.query_key_dim
+    weights_per_layer = hidden * (heads * projection + kv_heads * projection + kv_heads * head_dim + heads * head_dim)
+    weights_per_layer += 3 * hidden * config.intermediate_size
+    cache_per_layer = cache_passes * kv_heads * seq_len * (query_key + head_dim)
+    values = value_width(config, attn, 1)
+    if values != head_dim:
+        cache_per_layer += 2 * kv_heads * seq_len * values
+    return config.num_hidden_layers * (weights_per_layer + cache_per_layer) + hidden * config.vocab_size
+
+
+def memory_floor_ratio(
+    size: dict, variant: str, metric: str, seq_len: int, attn: str = "sdpa", cache: str = "dynamic"
+) -> float | None:
+    """The memory floor of the decode ratio (variant's elements moved per token over standard's, counted): one token
+    at batch 1 does one multiply-add per weight it reads, so its time follows the bytes it moves, which the FLOP
+    floor does not count (the wide cache holds 1.5x the bytes, and the dynamic cache copies it every step). None
+    for every other metric."""
+    if metric != "decode_ms_per_token":
+        return None
+    passes = CACHE_PASSES[cache]
+    return decode_elements_moved(variant_config(variant, size), seq_len, attn, passes) / decode_elements_moved(
+        variant_config("standard", size), seq_len, attn, passes
+    )
+
+
+def with_floors(row: dict, size: dict, attn: str = "sdpa") -> dict:
+    """``row`` with its floors computed from the shape and its decode cache (the code's floors, also for parts
+    measured before a floor was added)."""
+    metric, variant, seq_len = row["metric"], row["variant"], int(row["seq_len"])
+    cache = row.get("decode_cache") or "dynamic"
+    return {
+        **row,
+        "decode_cache": cache,
+        "floor_ratio": floor_ratio(size, variant, metric, seq_len, attn),
+        "memory_floor_ratio": memory_floor_ratio(size, variant, metric, seq_len, attn, cache),
+    }
+
+
+def binding_floor(row: dict) -> float | None:
+    """The higher of a row's floors, the one its target is judged against (both are counts, so a measurement can
+    lie below them: costs the variants share pull the ratio toward 1); None when it has none."""
+    floors = [f for f in (row.get("floor_ratio"), row.get("memory_floor_ratio")) if isinstance(f, float)]
+    return max(floors) if floors else None
+
+
 def expected_kv_ratio(size: dict, variant: str) -> float:
     """KV bytes per token against standard from the config: keys cached after the feature map (query_key_dim
     wide), values head_dim wide."""
@@ -207,6 +272,7 @@ def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
         prefill_len=seq_len,
         prefill_calls=args.prefill_calls,
         decode_tokens=args.decode_tokens,
+        decode_cache=args.decode_cache,
     )
     raw = measure(shape_args, size)
     fields = shape_fields(size)
@@ -214,8 +280,8 @@ def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
     for row in ratios(raw):
         if row["metric"] not in COLUMNS:  # the prefill cache's bytes: replaced by generate's, per token
             continue
-        floor = floor_ratio(size, row["variant"], row["metric"], seq_len, args.attn)
-        summary.append({**fields, **row, "seq_len": seq_len, "floor_ratio": floor})
+        row = {**fields, **row, "seq_len": seq_len, "decode_cache": args.decode_cache}
+        summary.append(with_floors(row, size, args.attn))
     return [{**fields, **row} for row in raw], summary
 
 
@@ -252,21 +318,33 @@ def measure_kv(args: argparse.Namespace, size: dict) -> list[dict]:
 
 def measurement_settings(args: argparse.Namespace) -> dict:
     """What a finished (shape, T) part was measured with: a rerun reuses the part only if these match."""
-    return {
-        name: getattr(args, name)
-        for name in (
-            "device",
-            "dtype",
-            "attn",
-            "variants",
-            "train",
-            "batch",
-            "repeats",
-            "prefill_calls",
-            "decode_tokens",
-            "threads",
-        )
-    } | {"torch": torch.__version__, "qkmap_hf": qkmap_hf.__version__}
+    return (
+        {
+            name: getattr(args, name)
+            for name in (
+                "device",
+                "dtype",
+                "attn",
+                "variants",
+                "train",
+                "batch",
+                "repeats",
+                "prefill_calls",
+                "decode_tokens",
+                "threads",
+            )
+        }
+        | {"torch": torch.__version__, "qkmap_hf": qkmap_hf.__version__}
+        | settings_added_later(args)
+    )
+
+
+def settings_added_later(args: argparse.Namespace) -> dict:
+    """Settings that came after the first parts, recorded so those parts still match where nothing changed: the
+    decode cache only when it is not the default (earlier parts all used a dynamic cache), and the dropped warm-up
+    repeat of parts that time training (earlier ones lack it and are remeasured)."""
+    cache = {} if args.decode_cache == "dynamic" else {"decode_cache": args.decode_cache}
+    return cache | ({"warmup_repeats": WARMUP_REPEATS} if args.train else {})
 
 
 def part_path(args: argparse.Namespace, size: dict, seq_len: int) -> Path:
@@ -284,7 +362,7 @@ def measured_part(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
         part = json.loads(path.read_text())
         if part.get("settings") == settings:
             print(f"[grid] {shape_label(size)} T={seq_len}: done earlier ({path.name})", file=sys.stderr, flush=True)
-            return part["raw"], part["summary"]
+            return part["raw"], [with_floors(row, size, args.attn) for row in part["summary"]]
     print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
     if args.isolate:
         raw, summary = _in_child_process(args, size, seq_len)
@@ -336,14 +414,16 @@ def worst_shapes(summary: list[dict]) -> dict[tuple[str, str], dict]:
 
 
 def format_cell(row: dict) -> str:
-    """``ratio [min-max] / floor f`` for times, ``value (ratio)`` for bytes."""
+    """``ratio [min-max] vs floor f`` for times (``/ memory m`` for decode), ``value (ratio)`` for bytes."""
     if row["metric"].startswith("kv_bytes"):
         return f"{row['median']:.0f} ({row['cost_ratio']:.3f}x, expected {row['floor_ratio']:.3f}x)"
     if row["metric"] in BYTE_METRICS:
         return f"{row['median'] / 2**20:.1f} MiB ({row['cost_ratio']:.3f}x)"
     cell = f"{row['cost_ratio']:.3f}x [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}]"
-    floor = row.get("floor_ratio")
-    return cell if floor in (None, "") else f"{cell} vs floor {floor:.3f}"
+    floor, memory = row.get("floor_ratio"), row.get("memory_floor_ratio")
+    if isinstance(floor, float):
+        cell += f" vs floor {floor:.3f}"
+    return cell + (f" / memory {memory:.3f}" if isinstance(memory, float) else "")
 
 
 def markdown(summary: list[dict], run_column: bool = False) -> str:
@@ -392,6 +472,9 @@ def plot(summary: list[dict], path: Path) -> Path | None:
             floors = [rows[cases[i]].get("floor_ratio") for i in xs]
             if all(isinstance(f, float) for f in floors) and any(f != 1.0 for f in floors):  # qk_norm's is 1
                 ax.plot(xs, floors, ls="--", color=line[0].get_color(), alpha=0.6, label=f"{variant} floor")
+            memory = [rows[cases[i]].get("memory_floor_ratio") for i in xs]
+            if all(isinstance(f, float) for f in memory) and any(f != 1.0 for f in memory):
+                ax.plot(xs, memory, ls=":", color=line[0].get_color(), alpha=0.8, label=f"{variant} memory floor")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_ylabel("ratio vs standard")
         ax.set_title(COLUMNS[metric])
@@ -448,11 +531,11 @@ FLOOR_SLACK = 1.03
 
 
 def target_status(row: dict, target: float) -> str:
-    """``met`` (ratio <= target), ``at floor`` (the floor is above the target and the ratio within 3 % of it) or
-    ``missed``."""
+    """``met`` (ratio <= target), ``at floor`` (the binding floor, FLOPs or for decode memory traffic, is above the
+    target and the ratio within 3 % of it) or ``missed``."""
     if row["cost_ratio"] <= target:
         return "met"
-    floor = row.get("floor_ratio")
+    floor = binding_floor(row)
     if isinstance(floor, float) and floor > target and row["cost_ratio"] <= floor * FLOOR_SLACK:
         return "at floor"
     return "missed"
@@ -471,7 +554,7 @@ def target_table(summary: list[dict]) -> str:
         statuses = [target_status(r, target) for r in rows]
         worst = max(rows, key=lambda r: r["cost_ratio"])
         run = f"{worst['run']} " if worst.get("run") else ""
-        floor = worst.get("floor_ratio")
+        floor = binding_floor(worst)
         floor_text = f", floor {floor:.3f}" if isinstance(floor, float) else ""
         lines.append(
             f"| {variant} | {COLUMNS[metric]} | <= {target:.2f}x | {len(rows)} | {statuses.count('met')} | "
@@ -481,8 +564,15 @@ def target_table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def read_summary(label: str, directory: Path) -> list[dict]:
-    """Summary rows of a grid run or of an attention_overhead.py run (its one shape: MODEL_SIZE), for one table."""
+def size_of_row(row: dict) -> dict:
+    """The model size a grid summary row was measured on, from its own columns."""
+    heads, kv_heads = int(row["heads"]), int(row["kv_heads"])
+    return shape_size(int(row["head_dim"]), heads, heads // kv_heads, int(row["layers"]))
+
+
+def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict]:
+    """Summary rows of a grid run or of an attention_overhead.py run (its one shape: MODEL_SIZE), for one table.
+    A grid run's time floors are recomputed from its shapes, so runs from before a floor was added get it too."""
     grid_csv, overhead_csv = directory / "shape_grid_summary.csv", directory / "attention_overhead_summary.csv"
     path = grid_csv if grid_csv.exists() else overhead_csv
     rows = []
@@ -492,9 +582,11 @@ def read_summary(label: str, directory: Path) -> list[dict]:
                 continue
             for key in ("median", "cost_ratio", "ratio_min", "ratio_max"):
                 row[key] = float(row[key])
-            floor = row.get("floor_ratio", "")
-            row["floor_ratio"] = float(floor) if floor else None
+            for key in ("floor_ratio", "memory_floor_ratio"):
+                row[key] = float(row[key]) if row.get(key) else None
             row.setdefault("shape", shape_label(MODEL_SIZE))
+            if row.get("head_dim") and row["metric"] in TIME_METRICS:
+                row = with_floors(row, size_of_row(row), attn)
             rows.append({**row, "run": label})
     return rows
 
@@ -530,6 +622,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prefill-calls", type=int, default=PREFILL_CALLS, help="timed prefills per repeat (their median)")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded after the T-token prefill")
+    p.add_argument(
+        "--decode-cache", choices=DECODE_CACHES, default="dynamic", help="the cache prefill fills and decoding grows"
+    )
     p.add_argument("--kv-prompt-len", type=int, default=32, help="prompt of the generate() cache measurement")
     p.add_argument("--kv-new-tokens", type=int, default=16, help="tokens generate() adds before the cache is read")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -555,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             if not any((Path(directory) / name).exists() for name in names):
                 missing.append(f"missing: {label} (no summary CSV under {directory})")
                 continue
-            rows += read_summary(label, Path(directory))
+            rows += read_summary(label, Path(directory), args.attn)
         print(markdown(rows, run_column=True))
         print("\nissue 23 targets, every case above:\n" + target_table(rows))
         print("\n".join(missing))

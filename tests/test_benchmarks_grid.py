@@ -75,8 +75,9 @@ def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid)
             value = float(row[key])
             assert math.isfinite(value) and value > 0, row
         assert float(row["ratio_min"]) <= float(row["cost_ratio"]) <= float(row["ratio_max"])
-        # Every time metric carries its floor; activation bytes have none.
+        # Every time metric carries its floor; activation bytes have none; only decode has a memory floor.
         assert (row["floor_ratio"] != "") == (row["metric"] != "activation_bytes"), row
+        assert (row["memory_floor_ratio"] != "") == (row["metric"] == "decode_ms_per_token"), row
     table = shape_grid.markdown(summary)
     assert table.count("\n") == 1 + 3  # header, rule, one row per non-standard variant
     assert "vs floor" in table
@@ -128,6 +129,96 @@ def test_floor_matches_a_hand_count() -> None:
     assert shape_grid.floor_ratio(size, "qk_map_wide", "activation_bytes", T) is None
 
 
+def test_memory_floor_of_decode_matches_a_hand_count() -> None:
+    size = shape_grid.shape_size(16, 4, 4, 1)  # hidden 64, MLP 192, 4 query heads, 1 key/value head, 1 layer
+    T = 8
+    weights = 64 * (64 + 16 + 16 + 64) + 3 * 64 * 192 + 64 * 4096  # q, k, v, o, MLP, LM head: read once per token
+    # The dynamic cache: cat reads the old cache and writes the new one, attention reads it: 3 passes.
+    standard = weights + 3 * T * (16 + 16)
+    wide = weights + 3 * T * (32 + 16)  # keys cached after the map, 2m = 32 wide; sdpa's single query: no padding
+    assert shape_grid.memory_floor_ratio(size, "qk_map_wide", "decode_ms_per_token", T) == pytest.approx(
+        wide / standard, rel=1e-12
+    )
+    # flash pads the values of one query too: written and read once more at the key width.
+    padded = wide + 2 * T * 32
+    assert shape_grid.memory_floor_ratio(
+        size, "qk_map_wide", "decode_ms_per_token", T, "flash_attention_2"
+    ) == pytest.approx(padded / standard, rel=1e-12)
+    # Compact: q/k projections half as wide (4 x 8 + 8 outputs instead of 4 x 16 + 16), keys 16 wide.
+    compact = weights - 64 * (32 + 8) + 3 * T * (16 + 16)
+    assert shape_grid.memory_floor_ratio(size, "qk_map_compact", "decode_ms_per_token", T) == pytest.approx(
+        compact / standard, rel=1e-12
+    )
+    assert shape_grid.memory_floor_ratio(size, "qk_map_wide", "train_tokens_per_s", T) is None
+    # The cache's share grows with T: so does the wide layout's memory floor.
+    assert shape_grid.memory_floor_ratio(size, "qk_map_wide", "decode_ms_per_token", 4096) > wide / standard
+
+
+def test_static_cache_decoding_is_measured_with_its_own_memory_floor_and_kept_apart_from_dynamic_parts(
+    tmp_path,
+) -> None:
+    dynamic = shape_grid.run_grid(tiny_grid_args(tmp_path, "--in-process"))[0]
+    static_args = tiny_grid_args(tmp_path, "--in-process", "--decode-cache", "static")
+    static = shape_grid.run_grid(static_args)[0]
+    part = shape_grid.json.loads(shape_grid.part_path(static_args, shape_grid.shape_size(16, 4, 4, 1), 8).read_text())
+    assert part["settings"]["decode_cache"] == "static"  # remeasured, not read back from the dynamic run's part
+
+    def wide_decode(summary: list[dict]) -> dict:
+        (row,) = [r for r in summary if r["metric"] == "decode_ms_per_token" and r["variant"] == "qk_map_wide"]
+        return row
+
+    assert wide_decode(static)["decode_cache"] == "static" and wide_decode(dynamic)["decode_cache"] == "dynamic"
+    # Written in place, the static cache is read once per token: one pass, against the dynamic cache's three.
+    weights = 64 * (64 + 16 + 16 + 64) + 3 * 64 * 192 + 64 * 4096
+    assert wide_decode(static)["memory_floor_ratio"] == pytest.approx(
+        (weights + 8 * (32 + 16)) / (weights + 8 * (16 + 16)), rel=1e-12
+    )
+    assert wide_decode(static)["memory_floor_ratio"] < wide_decode(dynamic)["memory_floor_ratio"]
+    assert math.isfinite(wide_decode(static)["cost_ratio"]) and wide_decode(static)["cost_ratio"] > 0
+
+
+def test_decode_with_a_static_cache_continues_the_prompt_as_a_full_forward_does() -> None:
+    import argparse
+
+    import attention_overhead
+
+    torch.manual_seed(0)
+    model = attention_overhead.build("qk_map_wide", "cpu", torch.float32, "sdpa", shape_grid.shape_size(16, 4, 2, 1))
+    ids = torch.randint(0, 4096, (1, 12))
+    args = argparse.Namespace(decode_cache="static", prefill_len=10, decode_tokens=2)
+    with torch.no_grad():
+        full = model(ids).logits[0]
+        cache = attention_overhead.decode_cache(args, model)
+        assert type(cache).__name__ == "StaticCache"
+        model(ids[:, :10], cache=cache, use_cache=True)
+        for position in (10, 11):
+            step = model(ids[:, position : position + 1], cache=cache, use_cache=True).logits[0, -1]
+            torch.testing.assert_close(step, full[position], atol=1e-5, rtol=1e-5)
+    assert attention_overhead.decode_cache(argparse.Namespace(decode_cache="dynamic"), model) is None
+
+
+def test_summarize_adds_the_memory_floor_to_runs_written_before_it(grid, tmp_path, capsys) -> None:
+    _, path = grid
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        fields = [f for f in reader.fieldnames if f != "memory_floor_ratio"]
+        rows = list(reader)
+    old = tmp_path / "old"
+    old.mkdir()
+    with open(old / "shape_grid_summary.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    (wide,) = [
+        r
+        for r in shape_grid.read_summary("old", old)
+        if r["metric"] == "decode_ms_per_token" and r["variant"] == "qk_map_wide"
+    ]
+    size = shape_grid.shape_size(16, 4, 4, 1)
+    assert wide["memory_floor_ratio"] == shape_grid.memory_floor_ratio(size, "qk_map_wide", "decode_ms_per_token", 8)
+    assert wide["memory_floor_ratio"] > 1
+
+
 def test_grid_skips_and_names_shapes_gqa_cannot_divide() -> None:
     sizes, skipped = shape_grid.grid_shapes([64], [2, 8], [1, 4], [2])
     assert [(s["num_attention_heads"], s["num_key_value_heads"]) for s in sizes] == [(2, 2), (8, 8), (8, 2)]
@@ -173,6 +264,11 @@ def test_targets_are_met_at_the_floor_or_missed_as_the_issue_defines_them() -> N
     assert shape_grid.target_status(row("c", 1.43, 1.38), target) == "missed"  # 3.6 % above its floor
     assert shape_grid.target_status(row("d", 1.25, 1.10), target) == "missed"  # floor below target: no excuse
     assert shape_grid.target_status(row("e", 1.25, None), target) == "missed"
+    # Decode: the higher of the FLOP and the memory floor binds.
+    decode = shape_grid.TARGETS[("qk_map_wide", "decode_ms_per_token")]  # 1.15
+    at_memory = {**row("f", 1.20, 1.06, "decode_ms_per_token"), "memory_floor_ratio": 1.17}
+    assert shape_grid.target_status(at_memory, decode) == "at floor"
+    assert shape_grid.target_status({**at_memory, "memory_floor_ratio": 1.12}, decode) == "missed"
     summary = [row(name, ratio, floor) for name, ratio, floor in [("a", 1.2, 1.1), ("b", 1.4, 1.38), ("c", 1.43, 1.38)]]
     summary.append(row("a", 1.30, None, "activation_bytes"))
     table = shape_grid.target_table(summary)
@@ -208,3 +304,41 @@ def test_prefill_is_the_median_of_its_timed_calls_and_decode_continues_from_the_
     tokens = args.prefill_len + args.decode_tokens  # one prefill's cache (not three stacked), one token longer
     per_token = 2 * size["num_key_value_heads"] * size["head_dim"] * 4 * size["num_hidden_layers"]
     assert value["kv_cache_bytes"] == tokens * per_token
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_first_repeat_is_timed_and_dropped_so_its_cold_steps_bias_no_ratio(monkeypatch) -> None:
+    import argparse
+
+    import attention_overhead
+
+    timed_calls = []
+
+    def fake_timed(fn, device):
+        fn()
+        timed_calls.append(fn.__name__)
+        # the warm-up repeat (the first forward and step of each of the 2 variants) is slow; later ones are not
+        return 10.0 if len(timed_calls) <= 4 else 0.5
+
+    monkeypatch.setattr(attention_overhead, "timed", fake_timed)
+    args = argparse.Namespace(
+        device="cpu", dtype="float32", attn="sdpa", variants=["standard", "qk_map_wide"], seq_lens=[8],
+        max_train_len=8, batch=1, repeats=2, prefill_len=4, prefill_calls=1, decode_tokens=1,
+    )  # fmt: skip
+    rows = attention_overhead.measure(args, shape_grid.shape_size(head_dim=16, heads=4, kv_ratio=2, layers=1))
+    assert attention_overhead.WARMUP_REPEATS == 1
+    assert timed_calls.count("step") == len(args.variants) * (args.repeats + 1)  # the warm-up repeat ran ...
+    timings = [r for r in rows if r["metric"] in ("forward_tokens_per_s", "train_tokens_per_s")]
+    assert sorted({r["repeat"] for r in timings}) == [0, 1]  # ... and left no rows
+    assert {r["value"] for r in timings} == {8 / 0.5}  # none of its 10-second timings
+    summary = {(r["variant"], r["metric"]): r for r in attention_overhead.ratios(rows)}
+    assert summary[("qk_map_wide", "train_tokens_per_s")]["cost_ratio"] == pytest.approx(1.0)
+
+
+def test_parts_that_time_training_record_the_warm_up_and_decode_only_parts_match_older_ones(tmp_path) -> None:
+    trained = shape_grid.measurement_settings(tiny_grid_args(tmp_path))
+    decode_only = shape_grid.measurement_settings(tiny_grid_args(tmp_path, "--no-train"))
+    assert trained["warmup_repeats"] == 1
+    assert "warmup_repeats" not in decode_only and "decode_cache" not in decode_only
+    static = shape_grid.measurement_settings(tiny_grid_args(tmp_path, "--no-train", "--decode-cache", "static"))
+    assert static["decode_cache"] == "static"
