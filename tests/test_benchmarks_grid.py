@@ -129,10 +129,15 @@ def test_floor_matches_a_hand_count() -> None:
     assert shape_grid.floor_ratio(size, "qk_map_wide", "activation_bytes", T) is None
 
 
+# Weights one decoded token reads in the tiny grid's shape (d16, 4 query heads, 1 key/value head, hidden 64, MLP
+# 192, 1 layer): q, k, v, o, the MLP and the LM head, each once.
+TINY_DECODE_WEIGHTS = 64 * (64 + 16 + 16 + 64) + 3 * 64 * 192 + 64 * 4096
+
+
 def test_memory_floor_of_decode_matches_a_hand_count() -> None:
     size = shape_grid.shape_size(16, 4, 4, 1)  # hidden 64, MLP 192, 4 query heads, 1 key/value head, 1 layer
     T = 8
-    weights = 64 * (64 + 16 + 16 + 64) + 3 * 64 * 192 + 64 * 4096  # q, k, v, o, MLP, LM head: read once per token
+    weights = TINY_DECODE_WEIGHTS
     # The dynamic cache: cat reads the old cache and writes the new one, attention reads it: 3 passes.
     standard = weights + 3 * T * (16 + 16)
     wide = weights + 3 * T * (32 + 16)  # keys cached after the map, 2m = 32 wide; sdpa's single query: no padding
@@ -169,7 +174,7 @@ def test_static_cache_decoding_is_measured_with_its_own_memory_floor_and_kept_ap
 
     assert wide_decode(static)["decode_cache"] == "static" and wide_decode(dynamic)["decode_cache"] == "dynamic"
     # Written in place, the static cache is read once per token: one pass, against the dynamic cache's three.
-    weights = 64 * (64 + 16 + 16 + 64) + 3 * 64 * 192 + 64 * 4096
+    weights = TINY_DECODE_WEIGHTS
     assert wide_decode(static)["memory_floor_ratio"] == pytest.approx(
         (weights + 8 * (32 + 16)) / (weights + 8 * (16 + 16)), rel=1e-12
     )
