@@ -91,21 +91,35 @@ def saved_activation_bytes(model: QKMapForCausalLM, ids: torch.Tensor) -> tuple[
     """Bytes autograd keeps for the backward pass: the memory a training step needs beyond the weights.
 
     Returns every save counted (a tensor saved by three ops counts three times) and the distinct storages
-    those saves hold (what the allocator keeps).
+    those saves hold (what the allocator keeps). A save that shares a parameter's or buffer's storage is the
+    weights, not an activation, and is not counted: every matmul keeps ``weight.t()``, a view. Counted (before
+    2026-12-03), those views added the same constant to every variant, which pulled every ratio toward 1, most at
+    short T and few layers (docs/performance.md, "Saved bytes without the weights").
     """
+    weights = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers())}
     total, storages = 0, {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        if not isinstance(tensor, torch.nn.Parameter):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
             total += tensor.numel() * tensor.element_size()
-            storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(ids, labels=ids)
     return total, sum(storages.values())
+
+
+def saved_bytes_rows(name: str, model: QKMapForCausalLM, ids: torch.Tensor) -> list[dict]:
+    """The raw rows of ``saved_activation_bytes`` for one variant at ``ids``'s length (repeat 0: a count)."""
+    saved, distinct = saved_activation_bytes(model, ids)
+    seq_len = ids.shape[-1]
+    return [
+        dict(variant=name, seq_len=seq_len, metric="activation_bytes", value=saved, repeat=0),
+        dict(variant=name, seq_len=seq_len, metric="distinct_activation_bytes", value=distinct, repeat=0),
+    ]
 
 
 def kv_cache_bytes(cache) -> int:
@@ -138,11 +152,7 @@ def measure(args: argparse.Namespace, size: dict | None = None) -> list[dict]:
                 model(ids)
             model.zero_grad(set_to_none=True)
             if seq_len <= args.max_train_len:
-                saved, distinct = saved_activation_bytes(model, ids)
-                rows.append(dict(variant=name, seq_len=seq_len, metric="activation_bytes", value=saved, repeat=0))
-                rows.append(
-                    dict(variant=name, seq_len=seq_len, metric="distinct_activation_bytes", value=distinct, repeat=0)
-                )
+                rows += saved_bytes_rows(name, model, ids)
         # Repeat -1 is timed like the others and dropped: the first timed repeat ran slowest for every variant and
         # most for standard, timed first (a training step 1.8x its later ones at d64 h8/kv2 L8 T = 1024, even
         # after an untimed training step per variant), which biased every ratio of that repeat low.
@@ -276,6 +286,8 @@ def plot(summary: list[dict], output_dir: Path) -> list[Path]:
 
     paths = []
     for metric in ("forward_tokens_per_s", "train_tokens_per_s"):
+        if not any(s["metric"] == metric for s in summary):  # e.g. --max-train-len 0: no training rows
+            continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for variant in VARIANTS:
             points = [s for s in summary if s["metric"] == metric and s["variant"] == variant]
@@ -348,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows = measure(args)
-    summary = ratios(rows)
+    # the run's kernel, cache and batch on every row: shape_grid.py --summarize computes this run's floors from them
+    run_fields = dict(attn=args.attn, decode_cache=args.decode_cache, batch=args.batch)
+    summary = [{**row, **run_fields} for row in ratios(rows)]
     with open(args.output_dir / "attention_overhead_raw.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -49,6 +49,7 @@ from attention_overhead import (  # noqa: E402
     kv_cache_bytes,
     measure,
     ratios,
+    saved_bytes_rows,
     synchronize,
     variant_config,
 )
@@ -76,6 +77,7 @@ SUMMARY_FIELDS = (
     "hidden_size",
     "seq_len",
     "decode_cache",
+    "batch",
     "variant",
     "metric",
     "median",
@@ -169,12 +171,13 @@ CACHE_PASSES = {"dynamic": 3, "static": 1}
 
 
 def decode_elements_moved(
-    config, seq_len: int, attn: str = "sdpa", cache_passes: int = CACHE_PASSES["dynamic"]
+    config, seq_len: int, attn: str = "sdpa", cache_passes: int = CACHE_PASSES["dynamic"], batch: int = 1
 ) -> float:
-    """Tensor elements one decoded token must move through memory against a cache of ``seq_len``: every matmul
-    weight once (at batch 1 each is read for one token's worth of FLOPs) and the cache ``cache_passes`` times, keys
-    as cached (after the feature map, ``2Fm`` wide) and values as stored; values the kernel pads are written and
-    read once more at the padded width. Activations of one token are left out (a few rows)."""
+    """Tensor elements one decoding step of ``batch`` sequences must move through memory against caches of
+    ``seq_len``: every matmul weight once (shared by the batch; at small batches each is read for a few tokens'
+    worth of FLOPs) and each sequence's cache ``cache_passes`` times, keys as cached (after the feature map, ``2Fm``
+    wide) and values as stored; values the kernel pads are written and read once more at the padded width.
+    Activations of the new tokens are left out (a few rows)."""
     heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
     head_dim, projection, query_key = config.head_dim, config.projection_dim, config.query_key_dim
     weights_per_layer = hidden * (heads * projection + kv_heads * projection + kv_heads * head_dim + heads * head_dim)
@@ -183,34 +186,47 @@ def decode_elements_moved(
     values = value_width(config, attn, 1)
     if values != head_dim:
         cache_per_layer += 2 * kv_heads * seq_len * values
+    cache_per_layer *= batch
     return config.num_hidden_layers * (weights_per_layer + cache_per_layer) + hidden * config.vocab_size
 
 
 def memory_floor_ratio(
-    size: dict, variant: str, metric: str, seq_len: int, attn: str = "sdpa", cache: str = "dynamic"
+    size: dict,
+    variant: str,
+    metric: str,
+    seq_len: int,
+    attn: str = "sdpa",
+    cache: str = "dynamic",
+    batch: int = 1,
 ) -> float | None:
-    """The memory floor of the decode ratio (variant's elements moved per token over standard's, counted): one token
+    """The memory floor of the decode ratio (variant's elements moved per step over standard's, counted): one token
     at batch 1 does one multiply-add per weight it reads, so its time follows the bytes it moves, which the FLOP
-    floor does not count (the wide cache holds 1.5x the bytes, and the dynamic cache copies it every step). None
-    for every other metric."""
+    floor does not count (the wide cache holds 1.5x the bytes, and the dynamic cache copies it every step). A batch
+    shares the weights and multiplies the caches, so its floor is higher. None for every other metric."""
     if metric != "decode_ms_per_token":
         return None
     passes = CACHE_PASSES[cache]
-    return decode_elements_moved(variant_config(variant, size), seq_len, attn, passes) / decode_elements_moved(
-        variant_config("standard", size), seq_len, attn, passes
-    )
+    moved = {
+        name: decode_elements_moved(variant_config(name, size), seq_len, attn, passes, batch)
+        for name in (variant, "standard")
+    }
+    return moved[variant] / moved["standard"]
 
 
 def with_floors(row: dict, size: dict, attn: str = "sdpa") -> dict:
-    """``row`` with its floors computed from the shape and its decode cache (the code's floors, also for parts
-    measured before a floor was added)."""
+    """``row`` with its floors computed from the shape, its decode cache and batch (the code's floors, also for
+    parts measured before a floor was added; rows without a cache or batch column were measured with a dynamic
+    cache at batch 1)."""
     metric, variant, seq_len = row["metric"], row["variant"], int(row["seq_len"])
-    cache = row.get("decode_cache") or "dynamic"
+    cache, batch = row.get("decode_cache") or "dynamic", int(row.get("batch") or 1)
+    if metric not in TIME_METRICS:  # byte rows keep theirs: the saved-bytes floor needs standard's measured bytes
+        return {**row, "decode_cache": cache, "batch": batch}
     return {
         **row,
         "decode_cache": cache,
+        "batch": batch,
         "floor_ratio": floor_ratio(size, variant, metric, seq_len, attn),
-        "memory_floor_ratio": memory_floor_ratio(size, variant, metric, seq_len, attn, cache),
+        "memory_floor_ratio": memory_floor_ratio(size, variant, metric, seq_len, attn, cache, batch),
     }
 
 
@@ -219,6 +235,45 @@ def binding_floor(row: dict) -> float | None:
     lie below them: costs the variants share pull the ratio toward 1); None when it has none."""
     floors = [f for f in (row.get("floor_ratio"), row.get("memory_floor_ratio")) if isinstance(f, float)]
     return max(floors) if floors else None
+
+
+def kernel_saved_extra_elements(config, seq_len: int, attn: str = "sdpa") -> int:
+    """Elements the attention kernel saves for its backward pass beyond what standard attention's saves, per
+    sequence: queries and keys as wide as the features (``2Fm``) instead of ``head_dim``, values and the output
+    as wide as the kernel multiplies them (padded to the key width for sdpa and flash), each layer. Keys and
+    values count per key/value head (sdpa and flash take GQA as it is). Zero for layouts as wide as standard."""
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    values = value_width(config, attn, seq_len)
+    per_token = (heads + kv_heads) * (config.query_key_dim - head_dim) + (heads + kv_heads) * (values - head_dim)
+    return config.num_hidden_layers * seq_len * per_token
+
+
+def activation_floor_ratio(
+    size: dict, variant: str, seq_len: int, standard_bytes: float, attn: str = "sdpa", batch: int = 1, dtype="float32"
+) -> float:
+    """The floor of the saved-bytes ratio: standard's measured bytes plus what the kernel must keep on top
+    (``kernel_saved_extra_elements``), over standard's. What a layout saves above it is its own: the wide and
+    compact layouts keep ``z``, the feature map's input, for omega's gradient."""
+    extra = kernel_saved_extra_elements(variant_config(variant, size), seq_len, attn)
+    element_size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return (standard_bytes + batch * extra * element_size) / standard_bytes
+
+
+def with_activation_floors(summary: list[dict], size: dict, attn: str, batch: int, dtype: str) -> list[dict]:
+    """The rows of one case with the saved-bytes floor on its ``activation_bytes`` rows (from standard's row)."""
+    standard = [r for r in summary if r["metric"] == "activation_bytes" and r["variant"] == "standard"]
+    if not standard:
+        return summary
+    base = standard[0]["median"]
+    return [
+        {
+            **row,
+            "floor_ratio": activation_floor_ratio(size, row["variant"], int(row["seq_len"]), base, attn, batch, dtype),
+        }
+        if row["metric"] == "activation_bytes"
+        else row
+        for row in summary
+    ]
 
 
 def expected_kv_ratio(size: dict, variant: str) -> float:
@@ -280,9 +335,35 @@ def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
     for row in ratios(raw):
         if row["metric"] not in COLUMNS:  # the prefill cache's bytes: replaced by generate's, per token
             continue
-        row = {**fields, **row, "seq_len": seq_len, "decode_cache": args.decode_cache}
+        row = {**fields, **row, "seq_len": seq_len, "decode_cache": args.decode_cache, "batch": args.batch}
         summary.append(with_floors(row, size, args.attn))
+    summary = with_activation_floors(summary, size, args.attn, args.batch, args.dtype)
     return [{**fields, **row} for row in raw], summary
+
+
+def remeasure_saved_bytes(
+    args: argparse.Namespace, size: dict, seq_len: int, raw: list[dict], summary: list[dict]
+) -> tuple[list[dict], list[dict]]:
+    """A part's rows with its saved-bytes rows measured again (the rest kept): one forward per variant, seconds
+    to a minute, where the part's timings took up to an hour. For parts counted before saves of the weights
+    were left out of the count (``saved_activation_bytes``)."""
+    dtype = getattr(torch, args.dtype)
+    ids = torch.randint(0, size["vocab_size"], (args.batch, seq_len), device=args.device)
+    fresh = []
+    for variant in args.variants:
+        model = build(variant, args.device, dtype, args.attn, size)
+        fresh += saved_bytes_rows(variant, model, ids)
+        del model
+    byte_metrics = {row["metric"] for row in fresh}
+    fields = shape_fields(size)
+    raw = [row for row in raw if row["metric"] not in byte_metrics] + [{**fields, **row} for row in fresh]
+    new_summary = [
+        {**fields, **row, "seq_len": seq_len, "decode_cache": args.decode_cache, "batch": args.batch}
+        for row in ratios(fresh)
+        if row["metric"] in COLUMNS
+    ]
+    kept = [row for row in summary if row["metric"] not in byte_metrics]
+    return raw, with_activation_floors(kept + new_summary, size, args.attn, args.batch, args.dtype)
 
 
 def measure_kv(args: argparse.Namespace, size: dict) -> list[dict]:
@@ -339,12 +420,17 @@ def measurement_settings(args: argparse.Namespace) -> dict:
     )
 
 
+# The saved-bytes count of parts that time training: since 2026-12-03 without the saves of the weights. Parts
+# without it have their bytes measured again and their timings kept (``measured_part``).
+SAVED_BYTES_COUNT = {"saved_bytes": "without weights"}
+
+
 def settings_added_later(args: argparse.Namespace) -> dict:
     """Settings that came after the first parts, recorded so those parts still match where nothing changed: the
-    decode cache only when it is not the default (earlier parts all used a dynamic cache), and the dropped warm-up
-    repeat of parts that time training (earlier ones lack it and are remeasured)."""
+    decode cache only when it is not the default (earlier parts all used a dynamic cache), and for parts that time
+    training the dropped warm-up repeat (earlier ones lack it and are remeasured) and the saved-bytes count."""
     cache = {} if args.decode_cache == "dynamic" else {"decode_cache": args.decode_cache}
-    return cache | ({"warmup_repeats": WARMUP_REPEATS} if args.train else {})
+    return cache | ({"warmup_repeats": WARMUP_REPEATS} | SAVED_BYTES_COUNT if args.train else {})
 
 
 def part_path(args: argparse.Namespace, size: dict, seq_len: int) -> Path:
@@ -360,12 +446,23 @@ def measured_part(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
     path, settings = part_path(args, size, seq_len), measurement_settings(args)
     if path.exists():
         part = json.loads(path.read_text())
+        summary = [with_floors(row, size, args.attn) for row in part["summary"]]
         if part.get("settings") == settings:
             print(f"[grid] {shape_label(size)} T={seq_len}: done earlier ({path.name})", file=sys.stderr, flush=True)
-            return part["raw"], [with_floors(row, size, args.attn) for row in part["summary"]]
+            return part["raw"], summary
+        if args.train and part.get("settings") == {k: v for k, v in settings.items() if k not in SAVED_BYTES_COUNT}:
+            print(
+                f"[grid] {shape_label(size)} T={seq_len}: saved bytes again ({path.name})", file=sys.stderr, flush=True
+            )
+            if args.isolate:
+                raw, summary = _in_child_process(remeasure_saved_bytes, args, size, seq_len, part["raw"], summary)
+            else:
+                raw, summary = remeasure_saved_bytes(args, size, seq_len, part["raw"], summary)
+            atomic_write_json(path, {"settings": settings, "raw": raw, "summary": summary})
+            return raw, summary
     print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
     if args.isolate:
-        raw, summary = _in_child_process(args, size, seq_len)
+        raw, summary = _in_child_process(measure_shape, args, size, seq_len)
     else:
         raw, summary = measure_shape(args, size, seq_len)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -373,18 +470,19 @@ def measured_part(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
     return raw, summary
 
 
-def _measure_in_child(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[list[dict], list[dict]]:
+def _in_child(function, args: argparse.Namespace, *rest):
     if args.threads:
         torch.set_num_threads(args.threads)
-    return measure_shape(args, size, seq_len)
+    return function(args, *rest)
 
 
-def _in_child_process(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[list[dict], list[dict]]:
-    """``measure_shape`` in a fresh (spawned) process: one long process grew to the machine's 24 GiB over 25 parts
-    and was killed (the allocator keeps what the large shapes freed), while each part alone peaks at ~3 GiB."""
+def _in_child_process(function, args: argparse.Namespace, *rest):
+    """``function(args, *rest)`` (``measure_shape`` or ``remeasure_saved_bytes``) in a fresh (spawned) process: one
+    long process grew to the machine's 24 GiB over 25 parts and was killed (the allocator keeps what the large
+    shapes freed), while each part alone peaks at ~3 GiB."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_measure_in_child, args, size, seq_len).result()
+        return pool.submit(_in_child, function, args, *rest).result()
 
 
 def run_grid(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict], list[str]]:
@@ -418,7 +516,9 @@ def format_cell(row: dict) -> str:
     if row["metric"].startswith("kv_bytes"):
         return f"{row['median']:.0f} ({row['cost_ratio']:.3f}x, expected {row['floor_ratio']:.3f}x)"
     if row["metric"] in BYTE_METRICS:
-        return f"{row['median'] / 2**20:.1f} MiB ({row['cost_ratio']:.3f}x)"
+        floor = row.get("floor_ratio")
+        floor_text = f", floor {floor:.3f}" if isinstance(floor, float) else ""
+        return f"{row['median'] / 2**20:.1f} MiB ({row['cost_ratio']:.3f}x{floor_text})"
     cell = f"{row['cost_ratio']:.3f}x [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}]"
     floor, memory = row.get("floor_ratio"), row.get("memory_floor_ratio")
     if isinstance(floor, float):
@@ -572,7 +672,8 @@ def size_of_row(row: dict) -> dict:
 
 def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict]:
     """Summary rows of a grid run or of an attention_overhead.py run (its one shape: MODEL_SIZE), for one table.
-    A grid run's time floors are recomputed from its shapes, so runs from before a floor was added get it too."""
+    Time floors are recomputed from each row's shape, kernel, cache and batch, so runs from before a floor was
+    added get it too; ``attn`` stands in for runs that did not record their kernel."""
     grid_csv, overhead_csv = directory / "shape_grid_summary.csv", directory / "attention_overhead_summary.csv"
     path = grid_csv if grid_csv.exists() else overhead_csv
     rows = []
@@ -584,9 +685,10 @@ def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict]:
                 row[key] = float(row[key])
             for key in ("floor_ratio", "memory_floor_ratio"):
                 row[key] = float(row[key]) if row.get(key) else None
-            row.setdefault("shape", shape_label(MODEL_SIZE))
-            if row.get("head_dim") and row["metric"] in TIME_METRICS:
-                row = with_floors(row, size_of_row(row), attn)
+            size = size_of_row(row) if row.get("head_dim") else MODEL_SIZE  # attention_overhead.py: MODEL_SIZE
+            row = {**shape_fields(size), **row}
+            if row["metric"] in TIME_METRICS:
+                row = with_floors(row, size, row.get("attn") or attn)
             rows.append({**row, "run": label})
     return rows
 

@@ -75,8 +75,9 @@ def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid)
             value = float(row[key])
             assert math.isfinite(value) and value > 0, row
         assert float(row["ratio_min"]) <= float(row["cost_ratio"]) <= float(row["ratio_max"])
-        # Every time metric carries its floor; activation bytes have none; only decode has a memory floor.
-        assert (row["floor_ratio"] != "") == (row["metric"] != "activation_bytes"), row
+        # Every row carries its floor (times: FLOPs; saved bytes: the kernel's; KV bytes: the expected ratio); only
+        # decode has a memory floor.
+        assert row["floor_ratio"] != "", row
         assert (row["memory_floor_ratio"] != "") == (row["metric"] == "decode_ms_per_token"), row
     table = shape_grid.markdown(summary)
     assert table.count("\n") == 1 + 3  # header, rule, one row per non-standard variant
@@ -155,6 +156,11 @@ def test_memory_floor_of_decode_matches_a_hand_count() -> None:
         compact / standard, rel=1e-12
     )
     assert shape_grid.memory_floor_ratio(size, "qk_map_wide", "train_tokens_per_s", T) is None
+    # A batch of 4 reads the weights once and each sequence's cache: the cache's share, and the floor, grow.
+    batched = [weights + 4 * 3 * T * (width + 16) for width in (32, 16)]  # wide, standard
+    assert shape_grid.memory_floor_ratio(size, "qk_map_wide", "decode_ms_per_token", T, batch=4) == pytest.approx(
+        batched[0] / batched[1], rel=1e-12
+    )
     # The cache's share grows with T: so does the wide layout's memory floor.
     assert shape_grid.memory_floor_ratio(size, "qk_map_wide", "decode_ms_per_token", 4096) > wide / standard
 
@@ -224,23 +230,99 @@ def test_summarize_adds_the_memory_floor_to_runs_written_before_it(grid, tmp_pat
     assert wide["memory_floor_ratio"] > 1
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_saved_bytes_leave_the_weights_out_and_the_wide_layout_saves_the_counted_kernel_extra_and_z() -> None:
+    from attention_overhead import build, saved_activation_bytes
+
+    size = shape_grid.shape_size(16, 4, 4, 1)  # hidden 64: 4 query heads of 16, 1 key/value head, 1 layer
+    saved = {}
+    for variant in ("standard", "qk_map_wide"):
+        model = build(variant, "cpu", torch.float32, "sdpa", size)
+        for T in (8, 16):
+            saved[variant, T] = saved_activation_bytes(model, torch.randint(0, 4096, (1, T)))[0]
+    # Without the weights' views (every matmul keeps weight.t(): 0.3 M floats here, against ~80 K saved at T = 8)
+    # the count is linear in T up to a few per-call scalars: standard's loss keeps one float32, the map its (kv, F, m)
+    # frequency and gain rows (2 x 16 floats).
+    assert saved["standard", 16] - 2 * saved["standard", 8] == -4
+    assert saved["qk_map_wide", 16] - 2 * saved["qk_map_wide", 8] == -4 - 4 * 2 * 16
+    # The wide layout's extra at T = 8, in floats, against the counts: the kernel's queries, keys, padded values and
+    # output 32 wide instead of 16 (5 heads in all), z (the map's input, kept for omega's gradient: 4 + 1 heads x
+    # 16), the map's RoPE tables (2 x T x m) and its two rows, where standard's RoPE keeps cos and sin for queries
+    # and keys (4 x T x 16).
+    kernel = shape_grid.kernel_saved_extra_elements(variant_config("qk_map_wide", size), 8)
+    assert kernel == 8 * (5 * 16 + 5 * 16)
+    z, tables = 5 * 8 * 16, 2 * 8 * 16 + 2 * 16 - 4 * 8 * 16
+    assert saved["qk_map_wide", 8] - saved["standard", 8] == 4 * (kernel + z + tables)
+    floor = shape_grid.activation_floor_ratio(size, "qk_map_wide", 8, saved["standard", 8])
+    assert floor == pytest.approx((saved["standard", 8] + 4 * kernel) / saved["standard", 8], rel=1e-12)
+    assert shape_grid.activation_floor_ratio(size, "qk_map_compact", 8, saved["standard", 8]) == 1.0
+
+
+@pytest.mark.slow  # spawns a process (~7 s of imports)
+def test_parts_counted_with_the_weights_get_their_saved_bytes_again_and_keep_their_timings(tmp_path) -> None:
+    args = tiny_grid_args(tmp_path)
+    size = shape_grid.shape_size(16, 4, 4, 1)
+    run_tiny_grid(tmp_path, "--in-process")
+    path = shape_grid.part_path(args, size, 8)
+    part = shape_grid.json.loads(path.read_text())
+    fresh = {r["variant"]: r["median"] for r in part["summary"] if r["metric"] == "activation_bytes"}
+    # As a part written before the count left the weights out: no marker, every save counted (a stand-in number),
+    # and a training time the rerun must keep.
+    for key in shape_grid.SAVED_BYTES_COUNT:
+        del part["settings"][key]
+    for row in part["summary"]:
+        if row["metric"] == "activation_bytes":
+            row["median"], row["floor_ratio"] = row["median"] + 10**6, None
+        if row["metric"] == "train_tokens_per_s" and row["variant"] == "qk_map_wide":
+            row["cost_ratio"] = 9.5
+    shape_grid.atomic_write_json(path, part)
+    summary = run_tiny_grid(tmp_path)[0]  # the default: the bytes counted in a spawned process
+    by_key = {(r["metric"], r["variant"]): r for r in summary}
+    assert by_key["train_tokens_per_s", "qk_map_wide"]["cost_ratio"] == 9.5  # the timing was read back, not redone
+    for variant, value in fresh.items():
+        assert by_key["activation_bytes", variant]["median"] == value  # counted again, without the weights
+    wide = by_key["activation_bytes", "qk_map_wide"]
+    assert wide["cost_ratio"] == pytest.approx(fresh["qk_map_wide"] / fresh["standard"])
+    assert wide["floor_ratio"] == shape_grid.activation_floor_ratio(size, "qk_map_wide", 8, fresh["standard"])
+    assert shape_grid.json.loads(path.read_text())["settings"] == shape_grid.measurement_settings(args)
+
+
 def test_grid_skips_and_names_shapes_gqa_cannot_divide() -> None:
     sizes, skipped = shape_grid.grid_shapes([64], [2, 8], [1, 4], [2])
     assert [(s["num_attention_heads"], s["num_key_value_heads"]) for s in sizes] == [(2, 2), (8, 8), (8, 2)]
     assert len(skipped) == 1 and "h2 GQA 4:1" in skipped[0]
 
 
-def test_summarize_reads_grid_and_overhead_csvs(grid, tmp_path, capsys) -> None:
-    _, path = grid
+def test_summarize_reads_grid_and_overhead_csvs_with_the_floors_of_each_runs_kernel_cache_and_batch(
+    grid, tmp_path, monkeypatch, capsys
+) -> None:
+    import attention_overhead
+
+    def fake_measure(args):  # the timings; what main writes from them is the code under test
+        rows = []
+        for variant, train, decode in (("standard", 100.0, 2.0), ("qk_map_wide", 80.0, 2.5)):
+            rows.append(dict(variant=variant, seq_len=64, metric="train_tokens_per_s", value=train, repeat=0))
+            rows.append(dict(variant=variant, seq_len=32, metric="decode_ms_per_token", value=decode, repeat=0))
+        return rows
+
+    monkeypatch.setattr(attention_overhead, "measure", fake_measure)
     overhead = tmp_path / "overhead"
-    overhead.mkdir()
-    with open(overhead / "attention_overhead_summary.csv", "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["metric", "seq_len", "variant", "median", "cost_ratio", "ratio_min", "ratio_max"])
-        writer.writerow(["train_tokens_per_s", 64, "qk_map_wide", 100.0, 1.25, 1.2, 1.3])
-    assert shape_grid.main(["--summarize", f"grid={path.parent}", f"sdpa={overhead}", f"gone={tmp_path / 'x'}"]) == 0
+    flags = ["--attn", "flash_attention_2", "--decode-cache", "static", "--batch", "8"]
+    assert attention_overhead.main([*flags, "--output-dir", str(overhead)]) == 0
+    _, path = grid
+    assert shape_grid.main(["--summarize", f"grid={path.parent}", f"gpu={overhead}", f"gone={tmp_path / 'x'}"]) == 0
     out = capsys.readouterr().out
-    assert "| sdpa | d64 h8/kv8 L4 | 64 | qk_map_wide | 1.250x [1.20-1.30] |" in out
+    size = attention_overhead.MODEL_SIZE
+    train_floor = shape_grid.floor_ratio(size, "qk_map_wide", "train_tokens_per_s", 64, "flash_attention_2")
+    memory = shape_grid.memory_floor_ratio(
+        size, "qk_map_wide", "decode_ms_per_token", 32, "flash_attention_2", "static", batch=8
+    )
+    assert memory != shape_grid.memory_floor_ratio(size, "qk_map_wide", "decode_ms_per_token", 32)
+    assert f"| gpu | d64 h8/kv8 L4 | 64 | qk_map_wide | 1.250x [1.25-1.25] vs floor {train_floor:.3f} |" in out
+    decode_floor = shape_grid.floor_ratio(size, "qk_map_wide", "decode_ms_per_token", 32, "flash_attention_2")
+    decode_cell = f"1.250x [1.25-1.25] vs floor {decode_floor:.3f} / memory {memory:.3f}"
+    (decode_row,) = [line for line in out.splitlines() if line.startswith("| gpu | d64 h8/kv8 L4 | 32 | qk_map_wide |")]
+    assert f"| {decode_cell} |" in decode_row
     assert "| grid | d16 h4/kv1 L1 | 8 | qk_map_wide |" in out
     assert f"missing: gone (no summary CSV under {tmp_path / 'x'})" in out
 
