@@ -238,7 +238,7 @@ def binding_floor(row: dict) -> float | None:
 
 
 def kernel_saved_extra_elements(config, seq_len: int, attn: str = "sdpa") -> int:
-    """Elements the attention kernel saves for its backward pass beyond what standard attention's saves, per
+    """Elements the attention kernel saves for its backward pass beyond what standard attention saves, per
     sequence: queries and keys as wide as the features (``2Fm``) instead of ``head_dim``, values and the output
     as wide as the kernel multiplies them (padded to the key width for sdpa and flash), each layer. Keys and
     values count per key/value head (sdpa and flash take GQA as it is). Zero for layouts as wide as standard."""
@@ -249,7 +249,13 @@ def kernel_saved_extra_elements(config, seq_len: int, attn: str = "sdpa") -> int
 
 
 def activation_floor_ratio(
-    size: dict, variant: str, seq_len: int, standard_bytes: float, attn: str = "sdpa", batch: int = 1, dtype="float32"
+    size: dict,
+    variant: str,
+    seq_len: int,
+    standard_bytes: float,
+    attn: str = "sdpa",
+    batch: int = 1,
+    dtype: str = "float32",
 ) -> float:
     """The floor of the saved-bytes ratio: standard's measured bytes plus what the kernel must keep on top
     (``kernel_saved_extra_elements``), over standard's. What a layout saves above it is its own: the wide and
@@ -674,23 +680,31 @@ def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict]:
     """Summary rows of a grid run or of an attention_overhead.py run (its one shape: MODEL_SIZE), for one table.
     Time floors are recomputed from each row's shape, kernel, cache and batch, so runs from before a floor was
     added get it too; ``attn`` stands in for runs that did not record their kernel."""
-    grid_csv, overhead_csv = directory / "shape_grid_summary.csv", directory / "attention_overhead_summary.csv"
-    path = grid_csv if grid_csv.exists() else overhead_csv
     rows = []
-    with open(path, newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row["metric"] not in COLUMNS:
-                continue
-            for key in ("median", "cost_ratio", "ratio_min", "ratio_max"):
-                row[key] = float(row[key])
-            for key in ("floor_ratio", "memory_floor_ratio"):
-                row[key] = float(row[key]) if row.get(key) else None
-            size = size_of_row(row) if row.get("head_dim") else MODEL_SIZE  # attention_overhead.py: MODEL_SIZE
-            row = {**shape_fields(size), **row}
-            if row["metric"] in TIME_METRICS:
-                row = with_floors(row, size, row.get("attn") or attn)
-            rows.append({**row, "run": label})
+    for row in stored_summary_rows(directory) or []:
+        if row["metric"] not in COLUMNS:
+            continue
+        for key in ("median", "cost_ratio", "ratio_min", "ratio_max"):
+            row[key] = float(row[key])
+        for key in ("floor_ratio", "memory_floor_ratio"):
+            row[key] = float(row[key]) if row.get(key) else None
+        size = size_of_row(row) if row.get("head_dim") else MODEL_SIZE  # attention_overhead.py: MODEL_SIZE
+        row = {**shape_fields(size), **row}
+        if row["metric"] in TIME_METRICS:
+            row = with_floors(row, size, row.get("attn") or attn)
+        rows.append({**row, "run": label})
     return rows
+
+
+def stored_summary_rows(directory: Path) -> list[dict] | None:
+    """The summary rows a run left: its summary CSV (a grid's or attention_overhead.py's) or, for a grid that
+    stopped before writing one (killed, out of memory), the summaries of its finished parts; None if neither."""
+    for name in ("shape_grid_summary.csv", "attention_overhead_summary.csv"):
+        if (directory / name).exists():
+            with open(directory / name, newline="") as handle:
+                return list(csv.DictReader(handle))
+    parts = sorted((directory / "parts").glob("*.json"))
+    return [row for part in parts for row in json.loads(part.read_text())["summary"]] if parts else None
 
 
 def write_csv(path: Path, rows: list[dict], fields: list[str] | tuple[str, ...]) -> None:
@@ -737,7 +751,8 @@ def parser() -> argparse.ArgumentParser:
         "--summarize",
         nargs="+",
         metavar="LABEL=DIR",
-        help="print one Markdown table of earlier runs' summary CSVs (grid or attention_overhead.py) and exit",
+        help="print one Markdown table of earlier runs' summary CSVs (grid or attention_overhead.py; a grid that stopped "
+        "early: its finished parts) and exit",
     )
     return p
 
@@ -748,9 +763,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, missing = [], []
         for item in args.summarize:
             label, _, directory = item.partition("=")
-            names = ("shape_grid_summary.csv", "attention_overhead_summary.csv")
-            if not any((Path(directory) / name).exists() for name in names):
-                missing.append(f"missing: {label} (no summary CSV under {directory})")
+            if stored_summary_rows(Path(directory)) is None:
+                missing.append(f"missing: {label} (no summary CSV or finished part under {directory})")
                 continue
             rows += read_summary(label, Path(directory), args.attn)
         print(markdown(rows, run_column=True))

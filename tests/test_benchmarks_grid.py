@@ -324,7 +324,18 @@ def test_summarize_reads_grid_and_overhead_csvs_with_the_floors_of_each_runs_ker
     (decode_row,) = [line for line in out.splitlines() if line.startswith("| gpu | d64 h8/kv8 L4 | 32 | qk_map_wide |")]
     assert f"| {decode_cell} |" in decode_row
     assert "| grid | d16 h4/kv1 L1 | 8 | qk_map_wide |" in out
-    assert f"missing: gone (no summary CSV under {tmp_path / 'x'})" in out
+    assert f"missing: gone (no summary CSV or finished part under {tmp_path / 'x'})" in out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_summarize_reads_the_finished_parts_of_a_grid_that_stopped_before_its_summary(tmp_path, capsys) -> None:
+    summary = run_tiny_grid(tmp_path, "--in-process")[0]  # writes parts/, not the CSV (main does, at the end)
+    assert not (tmp_path / "shape_grid_summary.csv").exists()
+    assert shape_grid.main(["--summarize", f"stopped={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    (wide_train,) = [r for r in summary if r["metric"] == "train_tokens_per_s" and r["variant"] == "qk_map_wide"]
+    assert f"| stopped | d16 h4/kv1 L1 | 8 | qk_map_wide | {shape_grid.format_cell(wide_train)} |" in out
+    assert "| qk_map_wide | train step | <= 1.22x | 1 |" in out  # the target table counts the part's case
 
 
 def test_kv_only_measures_cache_bytes_of_every_variant_without_timing(tmp_path) -> None:
