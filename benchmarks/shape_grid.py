@@ -754,6 +754,7 @@ def parser() -> argparse.ArgumentParser:
         help="print one Markdown table of earlier runs' summary CSVs (grid or attention_overhead.py; a grid that stopped "
         "early: its finished parts) and exit",
     )
+    p.add_argument("--plot", type=Path, help="with --summarize: also draw its rows' ratio against shape to this PNG")
     return p
 
 
@@ -770,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(rows, run_column=True))
         print("\nissue 23 targets, every case above:\n" + target_table(rows))
         print("\n".join(missing))
+        if args.plot and plot(rows, args.plot):
+            print(f"plot: {args.plot}")
         return 0
     args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
     if args.threads:

@@ -331,7 +331,8 @@ def test_summarize_reads_grid_and_overhead_csvs_with_the_floors_of_each_runs_ker
 def test_summarize_reads_the_finished_parts_of_a_grid_that_stopped_before_its_summary(tmp_path, capsys) -> None:
     summary = run_tiny_grid(tmp_path, "--in-process")[0]  # writes parts/, not the CSV (main does, at the end)
     assert not (tmp_path / "shape_grid_summary.csv").exists()
-    assert shape_grid.main(["--summarize", f"stopped={tmp_path}"]) == 0
+    assert shape_grid.main(["--summarize", f"stopped={tmp_path}", "--plot", str(tmp_path / "plot.png")]) == 0
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
     (wide_train,) = [r for r in summary if r["metric"] == "train_tokens_per_s" and r["variant"] == "qk_map_wide"]
     assert f"| stopped | d16 h4/kv1 L1 | 8 | qk_map_wide | {shape_grid.format_cell(wide_train)} |" in out
