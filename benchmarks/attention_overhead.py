@@ -94,7 +94,7 @@ def saved_activation_bytes(model: QKMapForCausalLM, ids: torch.Tensor) -> tuple[
     those saves hold (what the allocator keeps). A save that shares a parameter's or buffer's storage is the
     weights, not an activation, and is not counted: every matmul keeps ``weight.t()``, a view. Counted (before
     2026-12-03), those views added the same constant to every variant, which pulled every ratio toward 1, most at
-    short T and few layers (docs/performance.md, "Saved bytes without the weights").
+    short T and large hidden sizes (docs/performance.md, "Saved bytes without the weights").
     """
     weights = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers())}
     total, storages = 0, {}
