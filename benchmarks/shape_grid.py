@@ -336,15 +336,19 @@ def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
         decode_cache=args.decode_cache,
     )
     raw = measure(shape_args, size)
-    fields = shape_fields(size)
-    summary = []
-    for row in ratios(raw):
-        if row["metric"] not in COLUMNS:  # the prefill cache's bytes: replaced by generate's, per token
-            continue
-        row = {**fields, **row, "seq_len": seq_len, "decode_cache": args.decode_cache, "batch": args.batch}
-        summary.append(with_floors(row, size, args.attn))
-    summary = with_activation_floors(summary, size, args.attn, args.batch, args.dtype)
-    return [{**fields, **row} for row in raw], summary
+    summary = with_activation_floors(case_summary(args, size, seq_len, raw), size, args.attn, args.batch, args.dtype)
+    return [{**shape_fields(size), **row} for row in raw], summary
+
+
+def case_summary(args: argparse.Namespace, size: dict, seq_len: int, raw: list[dict]) -> list[dict]:
+    """Summary rows of one (shape, T) from its raw rows: ratios of the table's metrics, with the case's fields and
+    time floors (saved-bytes floors need the whole case: ``with_activation_floors``)."""
+    fields = shape_fields(size) | {"decode_cache": args.decode_cache, "batch": args.batch}
+    return [
+        with_floors({**fields, **row, "seq_len": seq_len}, size, args.attn)
+        for row in ratios(raw)
+        if row["metric"] in COLUMNS  # not the prefill cache's bytes: replaced by generate's, per token
+    ]
 
 
 def remeasure_saved_bytes(
@@ -361,15 +365,9 @@ def remeasure_saved_bytes(
         fresh += saved_bytes_rows(variant, model, ids)
         del model
     byte_metrics = {row["metric"] for row in fresh}
-    fields = shape_fields(size)
-    raw = [row for row in raw if row["metric"] not in byte_metrics] + [{**fields, **row} for row in fresh]
-    new_summary = [
-        {**fields, **row, "seq_len": seq_len, "decode_cache": args.decode_cache, "batch": args.batch}
-        for row in ratios(fresh)
-        if row["metric"] in COLUMNS
-    ]
-    kept = [row for row in summary if row["metric"] not in byte_metrics]
-    return raw, with_activation_floors(kept + new_summary, size, args.attn, args.batch, args.dtype)
+    raw = [row for row in raw if row["metric"] not in byte_metrics] + [{**shape_fields(size), **row} for row in fresh]
+    summary = [row for row in summary if row["metric"] not in byte_metrics] + case_summary(args, size, seq_len, fresh)
+    return raw, with_activation_floors(summary, size, args.attn, args.batch, args.dtype)
 
 
 def measure_kv(args: argparse.Namespace, size: dict) -> list[dict]:
@@ -460,17 +458,11 @@ def measured_part(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
             print(
                 f"[grid] {shape_label(size)} T={seq_len}: saved bytes again ({path.name})", file=sys.stderr, flush=True
             )
-            if args.isolate:
-                raw, summary = _in_child_process(remeasure_saved_bytes, args, size, seq_len, part["raw"], summary)
-            else:
-                raw, summary = remeasure_saved_bytes(args, size, seq_len, part["raw"], summary)
+            raw, summary = run_part(remeasure_saved_bytes, args, size, seq_len, part["raw"], summary)
             atomic_write_json(path, {"settings": settings, "raw": raw, "summary": summary})
             return raw, summary
     print(f"[grid] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
-    if args.isolate:
-        raw, summary = _in_child_process(measure_shape, args, size, seq_len)
-    else:
-        raw, summary = measure_shape(args, size, seq_len)
+    raw, summary = run_part(measure_shape, args, size, seq_len)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"settings": settings, "raw": raw, "summary": summary})
     return raw, summary
@@ -482,10 +474,12 @@ def _in_child(function, args: argparse.Namespace, *rest):
     return function(args, *rest)
 
 
-def _in_child_process(function, args: argparse.Namespace, *rest):
-    """``function(args, *rest)`` (``measure_shape`` or ``remeasure_saved_bytes``) in a fresh (spawned) process: one
-    long process grew to the machine's 24 GiB over 25 parts and was killed (the allocator keeps what the large
-    shapes freed), while each part alone peaks at ~3 GiB."""
+def run_part(function, args: argparse.Namespace, *rest):
+    """``function(args, *rest)`` (``measure_shape`` or ``remeasure_saved_bytes``), in a fresh (spawned) process
+    unless ``--in-process``: one long process grew to the machine's 24 GiB over 25 parts and was killed (the
+    allocator keeps what the large shapes freed), while each part alone peaks at ~3 GiB."""
+    if not args.isolate:
+        return function(args, *rest)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(_in_child, function, args, *rest).result()
@@ -676,12 +670,15 @@ def size_of_row(row: dict) -> dict:
     return shape_size(int(row["head_dim"]), heads, heads // kv_heads, int(row["layers"]))
 
 
-def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict]:
+def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict] | None:
     """Summary rows of a grid run or of an attention_overhead.py run (its one shape: MODEL_SIZE), for one table.
     Time floors are recomputed from each row's shape, kernel, cache and batch, so runs from before a floor was
-    added get it too; ``attn`` stands in for runs that did not record their kernel."""
+    added get it too; ``attn`` stands in for runs that did not record their kernel. None if the run left none."""
+    stored = stored_summary_rows(directory)
+    if stored is None:
+        return None
     rows = []
-    for row in stored_summary_rows(directory) or []:
+    for row in stored:
         if row["metric"] not in COLUMNS:
             continue
         for key in ("median", "cost_ratio", "ratio_min", "ratio_max"):
@@ -764,10 +761,11 @@ def main(argv: list[str] | None = None) -> int:
         rows, missing = [], []
         for item in args.summarize:
             label, _, directory = item.partition("=")
-            if stored_summary_rows(Path(directory)) is None:
+            run_rows = read_summary(label, Path(directory), args.attn)
+            if run_rows is None:
                 missing.append(f"missing: {label} (no summary CSV or finished part under {directory})")
                 continue
-            rows += read_summary(label, Path(directory), args.attn)
+            rows += run_rows
         print(markdown(rows, run_column=True))
         print("\nissue 23 targets, every case above:\n" + target_table(rows))
         print("\n".join(missing))
