@@ -46,6 +46,10 @@ VARIANTS = {
     # qkmap_input_dim of the compact layout: head_dim // (2F) of the size measured (variant_fields).
     "qk_map_compact": dict(qk_mode="qk_map", qkmap_input_dim=32, qkmap_num_frequencies=1),
     "qk_map_wide": dict(qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1),
+    # The wide layout whose training recomputes q_proj/k_proj's outputs instead of keeping them.
+    "qk_map_wide_recompute": dict(
+        qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1, qkmap_recompute_projections=True
+    ),
 }
 
 

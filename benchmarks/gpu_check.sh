@@ -16,7 +16,8 @@
 #   3. benchmarks/attention_overhead.py in bf16 per path (sdpa, flex_attention, flash_attention_2): training
 #      step, forward, prefill and decode against standard, activation and cache bytes;
 #   4. benchmarks/shape_grid.py (sdpa, bf16) on a GPU-sized subset of the issue-23 grid: head_dim 64 and 128,
-#      16 heads with and without GQA 4:1, 2 layers, T = 2048: per shape the same ratios with their matmul-FLOP
+#      16 heads with and without GQA 4:1, 2 layers, T = 2048, every variant (the wide layout also with
+#      qkmap_recompute_projections): per shape the same ratios with their matmul-FLOP
 #      floors (decode also its memory floor) and the KV-cache bytes per token after generate() (dynamic and
 #      static cache);
 #   5. the same grid's decoding with a StaticCache (--decode-cache static, the cache of generate(
@@ -63,9 +64,9 @@ if [[ $MODE == gpu ]]; then
     SDPA_SIZES=(--seq-lens 1024 4096 --max-train-len 4096 --prefill-len 2048 --decode-tokens 32)
     OTHER_SIZES=(--seq-lens 1024 --max-train-len 1024 --prefill-len 1024 --decode-tokens 16)
     GRID=(--head-dims 64 128 --heads 16 --kv-ratios 1 4 --layers 2 --seq-lens 2048 --batch 4 --repeats 3
-          --decode-tokens 16 --variants standard qk_norm qk_map_compact qk_map_wide)
-    # 290 s of step timeouts at most, plus start-up and the summary table (a few seconds): <= 5 minutes
-    T_TESTS=45 T_PATHS=45 T_SDPA=45 T_FLEX=40 T_FLASH=35 T_GRID=55 T_GRID_STATIC=25
+          --decode-tokens 16 --variants standard qk_norm qk_map_compact qk_map_wide qk_map_wide_recompute)
+    # 295 s of step timeouts at most, plus start-up and the summary table (a few seconds): <= 5 minutes
+    T_TESTS=40 T_PATHS=45 T_SDPA=45 T_FLEX=40 T_FLASH=35 T_GRID=65 T_GRID_STATIC=25
 else
     echo "CPU smoke: the GPU steps at tiny sizes on the CPU; flash-attention 2 needs CUDA and is not run"
     DEVICE=cpu DTYPE=float32

@@ -136,15 +136,20 @@ def value_width(config, attn: str, query_length: int) -> int:
 
 
 def matmul_flops(config, seq_len: int, phase: str, attn: str = "sdpa") -> float:
-    """FLOPs (2 per multiply-add) of every matmul of one forward pass: ``phase="forward"`` a causal T-token
-    forward (QK^T and PV over the T(T+1)/2 causal pairs), ``"decode"`` one token against a cache of T.
+    """FLOPs (2 per multiply-add) of every matmul of one pass: ``phase="forward"`` a causal T-token forward (QK^T
+    and PV over the T(T+1)/2 causal pairs), ``"decode"`` one token against a cache of T, ``"train"`` a training step:
+    3x the forward's, plus the query and key projections once more where the layout recomputes them in the
+    backward pass (``qkmap_recompute_projections``).
 
     Elementwise work (the feature map's sin/cos, RoPE, norms, softmax) is left out on purpose: what it costs is
-    the overhead above the floor. Training is 3x the forward's matmuls for every variant, so its floor ratio is
-    the forward's.
+    the overhead above the floor.
     """
     heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
     head_dim, projection, query_key = config.head_dim, config.projection_dim, config.query_key_dim
+    if phase == "train":
+        recomputed = 2 * hidden * (heads + kv_heads) * projection * seq_len * config.num_hidden_layers
+        recomputes = config.qk_mode == "qk_map" and config.qkmap_recompute_projections
+        return 3 * matmul_flops(config, seq_len, "forward", attn) + (recomputed if recomputes else 0)
     tokens, pairs = (1, seq_len) if phase == "decode" else (seq_len, seq_len * (seq_len + 1) / 2)
     values = value_width(config, attn, tokens)
     projections = 2 * hidden * (heads * projection + kv_heads * projection + kv_heads * head_dim + heads * head_dim)
@@ -158,7 +163,7 @@ def floor_ratio(size: dict, variant: str, metric: str, seq_len: int, attn: str =
     """The arithmetic floor of a time ratio (variant's matmul FLOPs over standard's), None for byte metrics."""
     if metric not in TIME_METRICS:
         return None
-    phase = "decode" if metric == "decode_ms_per_token" else "forward"
+    phase = {"decode_ms_per_token": "decode", "train_tokens_per_s": "train"}.get(metric, "forward")
     return matmul_flops(variant_config(variant, size), seq_len, phase, attn) / matmul_flops(
         variant_config("standard", size), seq_len, phase, attn
     )
@@ -627,6 +632,8 @@ TARGETS = {
     ("qk_map_compact", "decode_ms_per_token"): 1.05,
     ("qk_map_compact", "activation_bytes"): 1.05,
 }
+# The recomputing wide layout is the wide layout (one config field apart): it answers to the same targets.
+TARGETS.update({("qk_map_wide_recompute", m): target for (v, m), target in list(TARGETS.items()) if v == "qk_map_wide"})
 FLOOR_SLACK = 1.03
 
 

@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import shape_grid  # noqa: E402
 from attention_overhead import variant_config  # noqa: E402
 
+from qkmap_hf import QKMapForCausalLM  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> tuple[list[dict], Path]:
@@ -80,7 +82,7 @@ def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid)
         assert row["floor_ratio"] != "", row
         assert (row["memory_floor_ratio"] != "") == (row["metric"] == "decode_ms_per_token"), row
     table = shape_grid.markdown(summary)
-    assert table.count("\n") == 1 + 3  # header, rule, one row per non-standard variant
+    assert table.count("\n") == 1 + len(shape_grid.VARIANTS) - 1  # header, rule, one row per non-standard variant
     assert "vs floor" in table
 
 
@@ -128,6 +130,30 @@ def test_floor_matches_a_hand_count() -> None:
         compact_forward / standard_forward, rel=1e-12
     )
     assert shape_grid.floor_ratio(size, "qk_map_wide", "activation_bytes", T) is None
+
+
+def test_the_recomputing_layouts_training_floor_adds_the_projection_flops_it_runs_again() -> None:
+    """Counted by torch's FlopCounterMode over one real training step of each layout: the recomputing node's
+    extra FLOPs are the query and key projections once more, what its training floor adds (and nothing else)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    size, T = shape_grid.shape_size(16, 4, 2, 2), 8
+    counted = {}
+    for variant in ("qk_map_wide", "qk_map_wide_recompute"):
+        model = QKMapForCausalLM(variant_config(variant, size))
+        ids = torch.randint(0, 4096, (1, T))
+        with FlopCounterMode(display=False) as counter:
+            model(ids, labels=ids).loss.backward()
+        counted[variant] = counter.get_total_flops()
+    floors = {v: shape_grid.floor_ratio(size, v, "train_tokens_per_s", T) for v in counted}
+    standard = shape_grid.matmul_flops(variant_config("standard", size), T, "train")
+    extra = counted["qk_map_wide_recompute"] - counted["qk_map_wide"]
+    assert extra == 2 * 64 * (4 + 2) * 16 * T * 2  # hidden 64 into 4 + 2 heads of 16, T tokens, 2 layers
+    assert (floors["qk_map_wide_recompute"] - floors["qk_map_wide"]) * standard == pytest.approx(extra, rel=1e-12)
+    for metric in ("forward_tokens_per_s", "decode_ms_per_token"):
+        assert shape_grid.floor_ratio(size, "qk_map_wide_recompute", metric, T) == shape_grid.floor_ratio(
+            size, "qk_map_wide", metric, T
+        )
 
 
 # Weights one decoded token reads in the tiny grid's shape (d16, 4 query heads, 1 key/value head, hidden 64, MLP
@@ -236,7 +262,7 @@ def test_saved_bytes_leave_the_weights_out_and_the_wide_layout_saves_the_counted
 
     size = shape_grid.shape_size(16, 4, 4, 1)  # hidden 64: 4 query heads of 16, 1 key/value head, 1 layer
     saved = {}
-    for variant in ("standard", "qk_map_wide"):
+    for variant in ("standard", "qk_map_wide", "qk_map_wide_recompute"):
         model = build(variant, "cpu", torch.float32, "sdpa", size)
         for T in (8, 16):
             saved[variant, T] = saved_activation_bytes(model, torch.randint(0, 4096, (1, T)))[0]
@@ -256,6 +282,8 @@ def test_saved_bytes_leave_the_weights_out_and_the_wide_layout_saves_the_counted
     floor = shape_grid.activation_floor_ratio(size, "qk_map_wide", 8, saved["standard", 8])
     assert floor == pytest.approx((saved["standard", 8] + 4 * kernel) / saved["standard", 8], rel=1e-12)
     assert shape_grid.activation_floor_ratio(size, "qk_map_compact", 8, saved["standard", 8]) == 1.0
+    # Recomputing the projections: no z, and the layer input kept once by the node instead of by q_proj and k_proj.
+    assert saved["qk_map_wide", 8] - saved["qk_map_wide_recompute", 8] == 4 * (z + 8 * 64)
 
 
 @pytest.mark.slow  # spawns a process (~7 s of imports)

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM, qkmap_features
-from qkmap_hf.modeling.feature_map_qkmap import QKMapFeatureFunction, QKMapQueryKeyFunction, qkmap_query_key_features
+from qkmap_hf.modeling.feature_map_qkmap import (
+    QKMapFeatureFunction,
+    QKMapProjectedQueryKeyFunction,
+    QKMapQueryKeyFunction,
+    qkmap_projected_query_key_features,
+    qkmap_query_key_features,
+)
 from tests.utils import tiny_config_kwargs, written_out_features
 
 
@@ -269,3 +275,79 @@ def test_decoding_rows_are_not_kept_when_gradients_are_needed():
     (query_features.sum() + key_features.sum()).backward()
     assert feature_map._decoding_parameters is None
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in feature_map.parameters())
+
+
+def projection_inputs(heads, kv_heads, num_freq, freq_width, m=4, bias=True, seq=3, batch=2, hidden_size=5):
+    """A layer input and query/key projections for ``QKMapProjectedQueryKeyFunction``, float64."""
+    _, _, frequency, query_gain, key_gain, cos, sin = query_key_inputs(heads, kv_heads, num_freq, freq_width, m=m)
+    cos, sin = (torch.randn(1, seq, m, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in (5, 6))
+    generator = torch.Generator().manual_seed(heads + 17 * kv_heads)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    hidden = rand(batch, seq, hidden_size)
+    query_weight, key_weight = rand(heads * m, hidden_size), rand(kv_heads * m, hidden_size)
+    query_bias, key_bias = (rand(heads * m), rand(kv_heads * m)) if bias else (None, None)
+    return hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin
+
+
+@pytest.mark.parametrize("rotate_cos_blocks", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,num_freq,freq_width", CASES)
+def test_projected_node_passes_gradcheck_and_equals_projections_then_the_map(
+    heads, kv_heads, num_freq, freq_width, rotate_cos_blocks
+):
+    """Projections recomputed in the backward pass: float64 gradcheck, the unfused path's values bit for bit and its
+    gradients for every input (layer input, weights, biases, omega, gains) up to float rounding."""
+    inputs = projection_inputs(heads, kv_heads, num_freq, 4 if freq_width > 1 else 1, bias=heads != 4)
+    assert torch.autograd.gradcheck(
+        lambda *tensors: QKMapProjectedQueryKeyFunction.apply(*tensors, 4, rotate_cos_blocks),
+        inputs,
+        eps=1e-6,
+        atol=1e-8,
+        fast_mode=True,
+    )
+    hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin = inputs
+    fused = qkmap_projected_query_key_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
+    assert fused[0].grad_fn.name() == "QKMapProjectedQueryKeyFunctionBackward"
+    query = torch.nn.functional.linear(hidden, query_weight, query_bias).view(2, 3, heads, 4).transpose(1, 2)
+    key = torch.nn.functional.linear(hidden, key_weight, key_bias).view(2, 3, kv_heads, 4).transpose(1, 2)
+    plain = qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+    weights = [torch.randn(f.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+               for i, f in enumerate(plain)]  # fmt: skip
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    got = torch.autograd.grad(sum((f * w).sum() for f, w in zip(fused, weights, strict=True)), wanted)
+    want = torch.autograd.grad(sum((f * w).sum() for f, w in zip(plain, weights, strict=True)), wanted)
+    assert len(got) == (10 if heads != 4 else 8) - 2  # the tables need no gradient
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() < 1e-10 * (1 + b.abs().max().item())
+
+
+def test_projected_node_gives_only_the_gradients_asked_for():
+    """Frozen query projection and layer input: no query gradients, and the key side's equal the unfused path's."""
+    inputs = list(projection_inputs(4, 2, 1, 4))
+    for index in (0, 1, 2):  # hidden, query weight, query bias
+        inputs[index] = inputs[index].detach()
+    fused = qkmap_projected_query_key_features(*inputs)
+    key_weight = inputs[3]
+    (got,) = torch.autograd.grad(fused[0].sum() + fused[1].square().sum(), [key_weight])
+    key = torch.nn.functional.linear(inputs[0], key_weight, inputs[4]).view(2, 3, 2, 4).transpose(1, 2)
+    query = torch.nn.functional.linear(inputs[0], inputs[1], inputs[2]).view(2, 3, 4, 4).transpose(1, 2)
+    plain = qkmap_query_key_features(query, key, *inputs[5:])
+    (want,) = torch.autograd.grad(plain[0].sum() + plain[1].square().sum(), [key_weight])
+    assert (got - want).abs().max().item() < 1e-10 * (1 + want.abs().max().item())
+
+
+def test_projected_node_keeps_the_layer_input_instead_of_the_projections():
+    """Saved: the layer input and the small tensors; not the projected queries and keys the plain node keeps."""
+    inputs = [t.detach().float().requires_grad_(t.requires_grad) if t is not None else None
+              for t in projection_inputs(8, 2, 1, 64, m=64, seq=128, batch=1, hidden_size=96)]  # fmt: skip
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        qkmap_projected_query_key_features(*inputs)
+    assert len(saved) == len(inputs)
+    assert sum(t.numel() * t.element_size() for t in saved) == sum(
+        t.numel() * t.element_size() for t in inputs if t is not None
+    )
+    assert any(t.data_ptr() == inputs[0].data_ptr() for t in saved)  # the layer input itself, not a copy

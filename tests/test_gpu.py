@@ -85,6 +85,28 @@ def test_wide_keys_sdpa_trains_and_decodes_like_eager():
     assert max((a - b).abs().max().item() for a, b in zip(expected.logits, got.logits, strict=True)) < 1e-3
 
 
+def test_recomputing_projections_in_bf16_on_device_gives_the_plain_loss_and_gradients():
+    """``qkmap_recompute_projections`` in bf16 weights on the device (sdpa): the plain path's loss bit for bit, its
+    gradients up to bf16 rounding of the sums' order."""
+    torch.manual_seed(0)
+    models = []
+    for recompute in (False, True):
+        config = QKMapConfig(qk_mode="qk_map", qkmap_recompute_projections=recompute, **tiny_config_kwargs())
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        models.append(model.to(DEVICE))
+    models[1].load_state_dict(models[0].state_dict())
+    ids = torch.randint(3, 256, (2, 32), device=DEVICE)
+    losses = []
+    for model in models:
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for name in ("q_proj", "k_proj"):
+        plain, fused = (getattr(m.model.layers[0].self_attn, name).weight.grad.float() for m in models)
+        assert (plain - fused).abs().max().item() < 2e-2 * (1 + plain.abs().max().item()), name
+
+
 def test_decoding_rows_kept_between_tokens_follow_a_move_to_the_device_and_updates_there():
     """The rows a decoding model keeps between tokens (``QKMapFeatureMap.decoding_parameters``) are rebuilt when
     the model moves to the device in bf16 and after an in-place update there: the same bits as recomputing."""

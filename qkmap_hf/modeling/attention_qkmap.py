@@ -73,12 +73,18 @@ class QKMapAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
-        query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
-        key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
-        value_states = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
-        transposed = False
-        for construction in self.qk_constructions:  # input stage on (batch, seq, heads, width), the rest transposed
+        stages = self.qk_constructions
+        # The position stage may build queries and keys from the layer input itself (QK-MAP's recomputing node).
+        projected = None if stages[0].stage == "input" else stages[0].project(self, hidden_states, cos, sin)
+        if projected is None:
+            query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
+            key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.projection_dim)
+        else:
+            (query_states, key_states), stages = projected, stages[1:]
+        value_states = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        transposed = projected is not None
+        for construction in stages:  # input stage on (batch, seq, heads, width), the rest transposed
             if construction.stage != "input" and not transposed:
                 query_states, key_states, transposed = query_states.transpose(1, 2), key_states.transpose(1, 2), True
             query_states, key_states = construction.apply(self, query_states, key_states, cos, sin)

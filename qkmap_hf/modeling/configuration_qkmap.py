@@ -81,6 +81,10 @@ class QKMapConfig(LlamaConfig):
     - ``qkmap_cos_block``: ``"phase"`` (default: ``a_cos cos(omega z)``) or ``"constant"``: the cos rows are the
       learnable constant ``a_cos`` (``z``-independent) rotated by RoPE, so only the sine rows see ``z``: the control
       that isolates magnitude from QK-MAP's relative-position prior (docs/synthetic-tasks.md).
+    - ``qkmap_recompute_projections``: training maps ``q_proj``/``k_proj``'s outputs in one autograd node that
+      keeps the layer input and recomputes the projections in the backward pass, instead of keeping ``z``: fewer
+      saved activation bytes for one more pair of projection matmuls (docs/performance.md). Values are the same;
+      adapters (peft), quantized projections, hooks, autocast and ``qkmap_input_norm`` keep the plain path.
 
     Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
 
@@ -110,6 +114,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_rotate_cos_blocks: bool = True
     qkmap_gain_treatment: str = "learned"
     qkmap_cos_block: str = "phase"
+    qkmap_recompute_projections: bool = False
     logit_scale_multiplier: float = 1.0
     qk_position_prior: str = "none"
 

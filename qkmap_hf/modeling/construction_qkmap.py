@@ -17,7 +17,11 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .cos_blocks import COS_BLOCKS
-from .feature_map_qkmap import one_token_query_key_features, stack_query_key_parameters
+from .feature_map_qkmap import (
+    one_token_query_key_features,
+    qkmap_projected_query_key_features,
+    stack_query_key_parameters,
+)
 from .gain_treatments import GAIN_TREATMENTS
 from .query_key import QUERY_KEY_GROUP, QueryKeyConstruction
 
@@ -91,6 +95,36 @@ class QKMapFeatureMap(nn.Module):
         frequency = self.frequency()
         query_gain, key_gain = (self.effective_gain(g, frequency) for g in (self.query_gain, self.key_gain))
         return self.cos_blocks.features(rotate, query, key, frequency, query_gain, key_gain, cos, sin)
+
+    def project(
+        self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The projections and the map in one node that recomputes ``z`` in the backward pass instead of keeping it
+        (``qkmap_recompute_projections``), or None where that node does not apply (``recomputes_projections``)."""
+        if not self.recomputes_projections(q_proj, k_proj, hidden_states):
+            return None
+        frequency = self.frequency()
+        query_gain, key_gain = (self.effective_gain(g, frequency) for g in (self.query_gain, self.key_gain))
+        return qkmap_projected_query_key_features(
+            hidden_states, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, frequency, query_gain, key_gain,
+            cos, sin, self.config.qkmap_rotate_cos_blocks,
+        )  # fmt: skip
+
+    def recomputes_projections(self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor) -> bool:
+        """Whether a training forward pass maps ``q_proj``/``k_proj``'s outputs in one recomputing node: asked for,
+        gradients on, the default cos blocks, and projections that are plain ``nn.Linear`` layers without hooks in
+        the input's dtype, outside autocast. A peft adapter, a quantized layer or a hook sees its module called as
+        usual; the values are the same either way."""
+        if not (getattr(self.config, "qkmap_recompute_projections", False) and torch.is_grad_enabled()):
+            return False
+        if self.cos_blocks.name != "phase" or torch.is_autocast_enabled(hidden_states.device.type):
+            return False
+        return all(
+            type(p) is nn.Linear
+            and not (p._forward_hooks or p._forward_pre_hooks)
+            and p.weight.dtype == hidden_states.dtype
+            for p in (q_proj, k_proj)
+        )
 
     @staticmethod
     def parameters_are_constant(query: torch.Tensor) -> bool:
@@ -215,6 +249,10 @@ class QKMapFeatures(QueryKeyConstruction):
     @classmethod
     def apply(cls, attention, query, key, cos, sin):
         return attention.qk_map(query, key, cos, sin)
+
+    @classmethod
+    def project(cls, attention, hidden_states, cos, sin):
+        return attention.qk_map.project(attention.q_proj, attention.k_proj, hidden_states, cos, sin)
 
     @classmethod
     def width(cls, config: Any, width: int) -> int:

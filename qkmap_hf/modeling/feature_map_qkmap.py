@@ -140,6 +140,8 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
 
     ``needs`` says which of the five are wanted (``ctx.needs_input_grad`` order); the others come back as None.
     """
+    if not any(needs):
+        return None, None, None, None, None
     need_z, need_frequency, need_gain, need_cos, need_sin = needs
     layout = _Layout(z, frequency, cos)
     table_cos, table_sin = layout.table(cos), layout.table(sin)
@@ -231,17 +233,86 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_query, grad_key):
-        query, key, frequency, query_gain, key_gain, cos, sin = ctx.saved_tensors
-        need_q, need_k, need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = ctx.needs_input_grad[:7]
-        grad_q, freq_q, gain_q, cos_q, sin_q = _feature_gradients(
-            grad_query, query, frequency, query_gain, cos, sin, ctx.rotate_cos_blocks,
-            (need_q, need_frequency, need_q_gain, need_cos, need_sin),
-        )  # fmt: skip
-        grad_k, freq_k, gain_k, cos_k, sin_k = _feature_gradients(
-            grad_key, key, frequency, key_gain, cos, sin, ctx.rotate_cos_blocks,
-            (need_k, need_frequency, need_k_gain, need_cos, need_sin),
-        )  # fmt: skip
-        return grad_q, grad_k, _add(freq_q, freq_k), gain_q, gain_k, _add(cos_q, cos_k), _add(sin_q, sin_k), None
+        grads = _query_key_gradients(
+            grad_query, grad_key, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad
+        )
+        return *grads, None
+
+
+def _query_key_gradients(grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, needs):
+    """Gradients of ``QKMapQueryKeyFunction`` for its seven tensor inputs; ``needs`` in that order."""
+    need_q, need_k, need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = needs[:7]
+    grad_q, freq_q, gain_q, cos_q, sin_q = _feature_gradients(
+        grad_query,
+        query,
+        frequency,
+        query_gain,
+        cos,
+        sin,
+        rotate,
+        (need_q, need_frequency, need_q_gain, need_cos, need_sin),
+    )
+    grad_k, freq_k, gain_k, cos_k, sin_k = _feature_gradients(
+        grad_key, key, frequency, key_gain, cos, sin, rotate, (need_k, need_frequency, need_k_gain, need_cos, need_sin)
+    )
+    return grad_q, grad_k, _add(freq_q, freq_k), gain_q, gain_k, _add(cos_q, cos_k), _add(sin_q, sin_k)
+
+
+def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
+    """A query or key projection as ``QKMapAttention`` computes it: ``(batch, heads, seq, width)``, a transposed view
+    of the token-major ``linear`` output."""
+    return torch.nn.functional.linear(hidden, weight, bias).view(*hidden.shape[:-1], -1, width).transpose(1, 2)
+
+
+def _projection_gradients(grad_z, hidden, weight, needs) -> tuple:
+    """Gradients of ``_project`` for ``(hidden, weight, bias)`` from the gradient of its ``(batch, heads, seq, width)``
+    output; ``needs`` says which (the others come back as None)."""
+    need_hidden, need_weight, need_bias = needs
+    if grad_z is None:
+        return None, None, None
+    grad_out = grad_z.transpose(1, 2).reshape(*hidden.shape[:-1], weight.shape[0])  # a view: token-major already
+    rows, inputs = grad_out.reshape(-1, weight.shape[0]), hidden.reshape(-1, hidden.shape[-1])
+    grad_hidden = grad_out.matmul(weight) if need_hidden else None
+    grad_weight = rows.t().mm(inputs) if need_weight else None
+    grad_bias = rows.sum(dim=0) if need_bias else None
+    return grad_hidden, grad_weight, grad_bias
+
+
+class QKMapProjectedQueryKeyFunction(torch.autograd.Function):
+    """``q_proj``, ``k_proj`` and ``phi`` of both in one node that keeps the layer input, not the projections.
+
+    ``QKMapQueryKeyFunction`` keeps the projected queries and keys ``z`` for its backward pass: in the wide layout
+    they are most of the saved bytes above what the kernel needs (docs/performance.md). This node recomputes them
+    in the backward pass from the layer input, which the value projection keeps anyway, at the cost of the two
+    projections' forward matmuls once more (``qkmap_recompute_projections``). Values are the unfused path's bit
+    for bit; gradients up to the order of float sums.
+    """
+
+    @staticmethod
+    def forward(hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin,
+                width: int, rotate_cos_blocks: bool):  # fmt: skip
+        query = _project(hidden, query_weight, query_bias, width)
+        key = _project(hidden, key_weight, key_bias, width)
+        return QKMapQueryKeyFunction.forward(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:10])
+        ctx.width, ctx.rotate_cos_blocks = inputs[10:]
+
+    @staticmethod
+    def backward(ctx, grad_query, grad_key):
+        hidden, query_weight, query_bias, key_weight, key_bias, *shared = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        need_query, need_key = any(needs[0:3]), needs[0] or any(needs[3:5])
+        query = _project(hidden, query_weight, query_bias, ctx.width) if need_query or any(needs[5:]) else None
+        key = _project(hidden, key_weight, key_bias, ctx.width) if need_key or any(needs[5:]) else None
+        grad_q, grad_k, *grads = _query_key_gradients(
+            grad_query, grad_key, query, key, *shared, ctx.rotate_cos_blocks, (need_query, need_key, *needs[5:10])
+        )
+        hidden_q, *query_grads = _projection_gradients(grad_q, hidden, query_weight, (needs[0], *needs[1:3]))
+        hidden_k, *key_grads = _projection_gradients(grad_k, hidden, key_weight, (needs[0], *needs[3:5]))
+        return _add(hidden_q, hidden_k), *query_grads, *key_grads, *grads, None, None
 
 
 def qkmap_features(
@@ -293,6 +364,29 @@ def qkmap_query_key_features(
         stacked = stack_query_key_parameters(frequency, query_gain, key_gain, groups)
         return one_token_query_key_features(query, key, *stacked, cos, sin, rotate_cos_blocks)
     return QKMapQueryKeyFunction.forward(*inputs, rotate_cos_blocks)
+
+
+def qkmap_projected_query_key_features(
+    hidden: torch.Tensor,
+    query_weight: torch.Tensor,
+    query_bias: torch.Tensor | None,
+    key_weight: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    frequency: torch.Tensor,
+    query_gain: torch.Tensor,
+    key_gain: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotate_cos_blocks: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qkmap_query_key_features`` of ``hidden``'s query and key projections (``linear(hidden, weight, bias)``
+    viewed as ``(batch, heads, seq, m)``), in one node that recomputes the projections in the backward pass instead
+    of keeping them (``QKMapProjectedQueryKeyFunction``). ``hidden`` is ``(batch, seq, hidden_size)``."""
+    width = query_gain.shape[-1]
+    return QKMapProjectedQueryKeyFunction.apply(
+        hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin, width,
+        rotate_cos_blocks,
+    )  # fmt: skip
 
 
 def stack_query_key_parameters(

@@ -62,6 +62,15 @@ class QueryKeyConstruction:
         raise NotImplementedError
 
     @classmethod
+    def project(
+        cls, attention: nn.Module, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Queries and keys ``(batch, heads, seq, width)`` built straight from the layer input in one step with this
+        stage, or None (the default): the layer runs ``q_proj``/``k_proj`` and then the stages. Asked of the position
+        stage when no input stage runs; the output stages run after it either way."""
+        return None
+
+    @classmethod
     def width(cls, config: Any, width: int) -> int:
         """Query/key width per head after this stage, given the width before it."""
         return width
