@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM
+from qkmap_hf.phases import PhaseRecorder
 from tests.utils import tiny_config_kwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -89,8 +90,8 @@ def test_keeps_fewer_bytes_by_the_layer_input_and_the_projections():
 
 
 def test_adapters_hooks_and_the_input_norm_keep_the_plain_path():
-    """A peft LoRA on q_proj/k_proj, a forward hook, qkmap_input_norm and inference all keep the projections as
-    modules: the adapters still get their gradients."""
+    """A peft LoRA on q_proj/k_proj, a forward hook, the phase recorder's hook, qkmap_input_norm and inference all
+    keep the projections as modules: the adapters still get their gradients."""
     from peft import LoraConfig, get_peft_model
 
     _, fused = pair()
@@ -104,6 +105,11 @@ def test_adapters_hooks_and_the_input_norm_keep_the_plain_path():
     _, hooked = pair()
     hooked.model.layers[0].self_attn.k_proj.register_forward_hook(lambda module, args, output: None)
     assert mapped_query_node(hooked, tokens) == "QKMapQueryKeyFunctionBackward"
+
+    _, recorded = pair()  # the phase recorder reads z with a pre-hook on the feature map: it sees every layer's z
+    with PhaseRecorder(recorded) as recorder:
+        assert mapped_query_node(recorded, tokens) == "QKMapQueryKeyFunctionBackward"
+    assert len(recorder.summary()["layers"]) == recorded.config.num_hidden_layers
 
     _, normed = pair(qkmap_input_norm=True)
     assert mapped_query_node(normed, tokens) == "QKMapQueryKeyFunctionBackward"

@@ -112,12 +112,14 @@ class QKMapFeatureMap(nn.Module):
 
     def recomputes_projections(self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor) -> bool:
         """Whether a training forward pass maps ``q_proj``/``k_proj``'s outputs in one recomputing node: asked for,
-        gradients on, the default cos blocks, and projections that are plain ``nn.Linear`` layers without hooks in
-        the input's dtype, outside autocast. A peft adapter, a quantized layer or a hook sees its module called as
-        usual; the values are the same either way."""
+        gradients on, the default cos blocks, no hooks on this module (``PhaseRecorder`` reads ``z`` with one), and
+        projections that are plain ``nn.Linear`` layers without hooks in the input's dtype, outside autocast. A peft
+        adapter, a quantized layer or a hook sees its module called as usual; the values are the same either way."""
         if not (getattr(self.config, "qkmap_recompute_projections", False) and torch.is_grad_enabled()):
             return False
         if self.cos_blocks.name != "phase" or torch.is_autocast_enabled(hidden_states.device.type):
+            return False
+        if self._forward_hooks or self._forward_pre_hooks:
             return False
         return all(
             type(p) is nn.Linear
