@@ -41,6 +41,7 @@ from qkmap_hf.modeling.attention_qkmap import QKMapAttention
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_overhead import (  # noqa: E402
     DECODE_CACHES,
+    DEFAULT_VARIANTS,
     MODEL_SIZE,
     PREFILL_CALLS,
     VARIANTS,
@@ -748,7 +749,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-prompt-len", type=int, default=32, help="prompt of the generate() cache measurement")
     p.add_argument("--kv-new-tokens", type=int, default=16, help="tokens generate() adds before the cache is read")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
     p.add_argument("--profile-worst", action="store_true", help="profile the worst shape of each time metric")
     p.add_argument("--profile-rows", type=int, default=15)
     p.add_argument(

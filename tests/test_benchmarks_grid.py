@@ -31,7 +31,7 @@ def tiny_grid_args(output_dir: Path, *extra: str):
     args = shape_grid.parser().parse_args(
         ["--head-dims", "16", "--heads", "4", "--kv-ratios", "4", "--layers", "1", "--seq-lens", "8"]
         + ["--repeats", "1", "--decode-tokens", "1", "--kv-prompt-len", "3", "--kv-new-tokens", "2"]
-        + ["--output-dir", str(output_dir), *extra]
+        + ["--variants", *shape_grid.VARIANTS, "--output-dir", str(output_dir), *extra]
     )
     args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
     return args
