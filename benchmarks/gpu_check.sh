@@ -75,7 +75,8 @@ else
     SDPA_SIZES=(--seq-lens 64 --max-train-len 64 --prefill-len 32 --decode-tokens 4)
     OTHER_SIZES=(--seq-lens 64 --max-train-len 0 --prefill-len 32 --decode-tokens 4)  # no flex backward on CPU
     GRID=(--head-dims 16 --heads 4 --kv-ratios 1 4 --layers 1 --seq-lens 32 --repeats 1 --decode-tokens 2
-          --kv-prompt-len 4 --kv-new-tokens 2 --threads 1)
+          --kv-prompt-len 4 --kv-new-tokens 2 --threads 1
+          --variants standard qk_norm qk_map_compact qk_map_wide qk_map_wide_recompute)
     T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120 T_GRID_STATIC=120  # caps; ~3 minutes
 fi
 
