@@ -263,14 +263,17 @@ def measure(args: argparse.Namespace, size: dict | None = None) -> list[dict]:
 HIGHER_IS_BETTER = {"forward_tokens_per_s", "train_tokens_per_s"}
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """Per metric and length: cost ratio against standard (>1 means slower or bigger), median and spread."""
+def ratios(rows: list[dict], reference: str = "standard") -> list[dict]:
+    """Per metric and length: cost ratio against ``reference`` (>1 means slower or bigger), paired per repeat,
+    median and spread. Metrics ``reference`` was not measured on are left out."""
     grouped: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         grouped[(row["metric"], row["seq_len"])][row["variant"]].append(row["value"])
     summary = []
     for (metric, seq_len), by_variant in sorted(grouped.items()):
-        base = by_variant["standard"]
+        base = by_variant.get(reference)
+        if base is None:
+            continue
         for variant, values in by_variant.items():
             per_repeat = [(b / v if metric in HIGHER_IS_BETTER else v / b) for v, b in zip(values, base, strict=False)]
             summary.append(

@@ -701,6 +701,21 @@ def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict] 
     return rows
 
 
+def versus_rows(label: str, directory: Path, reference: str) -> list[dict]:
+    """Every variant's ratios against ``reference`` instead of standard, per case, from the repeats its parts keep
+    (paired per repeat, as the summary's are): two layouts compared where they ran interleaved in one process.
+    Parts without ``reference`` are left out."""
+    rows = []
+    for part in sorted((directory / "parts").glob("*.json")):
+        raw = json.loads(part.read_text())["raw"]
+        if not any(row["variant"] == reference for row in raw):
+            continue
+        shape = {key: raw[0][key] for key in ("shape", "head_dim", "heads", "kv_heads", "layers", "hidden_size")}
+        paired = ratios([row for row in raw if row["metric"] in COLUMNS], reference)
+        rows += [{**shape, **row, "run": label} for row in paired if row["variant"] != reference]
+    return rows
+
+
 def stored_summary_rows(directory: Path) -> list[dict] | None:
     """The summary rows a run left: its summary CSV (a grid's or attention_overhead.py's) or, for a grid that
     stopped before writing one (killed, out of memory), the summaries of its finished parts; None if neither."""
@@ -760,6 +775,11 @@ def parser() -> argparse.ArgumentParser:
         "early: its finished parts) and exit",
     )
     p.add_argument("--plot", type=Path, help="with --summarize: also draw its rows' ratio against shape to this PNG")
+    p.add_argument(
+        "--versus",
+        choices=list(VARIANTS),
+        help="with --summarize: every variant's ratios against this one instead of standard, from the parts' repeats",
+    )
     return p
 
 
@@ -769,11 +789,21 @@ def main(argv: list[str] | None = None) -> int:
         rows, missing = [], []
         for item in args.summarize:
             label, _, directory = item.partition("=")
+            if args.versus:
+                versus = versus_rows(label, Path(directory), args.versus)
+                if not versus:
+                    missing.append(f"missing: {label} (no part that measured {args.versus} under {directory})")
+                rows += versus
+                continue
             run_rows = read_summary(label, Path(directory), args.attn)
             if run_rows is None:
                 missing.append(f"missing: {label} (no summary CSV or finished part under {directory})")
                 continue
             rows += run_rows
+        if args.versus:  # no floors or targets: those are against standard
+            print(f"ratios against {args.versus}, paired per repeat:\n" + markdown(rows, run_column=True))
+            print("\n".join(missing))
+            return 0
         print(markdown(rows, run_column=True))
         print("\nissue 23 targets, every case above:\n" + target_table(rows))
         print("\n".join(missing))

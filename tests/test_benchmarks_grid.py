@@ -469,3 +469,32 @@ def test_parts_that_time_training_record_the_warm_up_and_decode_only_parts_match
     assert "warmup_repeats" not in decode_only and "decode_cache" not in decode_only
     static = shape_grid.measurement_settings(tiny_grid_args(tmp_path, "--no-train", "--decode-cache", "static"))
     assert static["decode_cache"] == "static"
+
+
+def test_summarize_versus_pairs_two_layouts_per_repeat_from_the_parts(tmp_path, capsys) -> None:
+    """``--summarize --versus qk_map_wide``: the recomputing layout against the wide one, repeat by repeat, from the
+    raw values the parts keep; standard against the wide layout is the reciprocal of the wide layout's ratio."""
+    run_tiny_grid(tmp_path, "--in-process", "--repeats", "2", "--variants", "qk_map_wide", "qk_map_wide_recompute")
+    rows = shape_grid.versus_rows("tiny", tmp_path, "qk_map_wide")
+    (part,) = (tmp_path / "parts").glob("*.json")
+    raw = shape_grid.json.loads(part.read_text())["raw"]
+
+    def values(variant, metric):
+        return [r["value"] for r in raw if r["variant"] == variant and r["metric"] == metric]
+
+    train = {r["variant"]: r for r in rows if r["metric"] == "train_tokens_per_s"}
+    assert set(train) == {"standard", "qk_map_wide_recompute"}
+    wide, fused = values("qk_map_wide", "train_tokens_per_s"), values("qk_map_wide_recompute", "train_tokens_per_s")
+    per_repeat = [w / f for w, f in zip(wide, fused, strict=True)]
+    assert len(per_repeat) == 2 and train["qk_map_wide_recompute"]["ratio_min"] == min(per_repeat)
+    assert train["qk_map_wide_recompute"]["cost_ratio"] == pytest.approx(sum(per_repeat) / 2, rel=1e-12)
+    (saved,) = (r for r in rows if r["metric"] == "activation_bytes" and r["variant"] == "qk_map_wide_recompute")
+    assert (
+        saved["cost_ratio"]
+        == values("qk_map_wide_recompute", "activation_bytes")[0] / values("qk_map_wide", "activation_bytes")[0]
+        < 1
+    )
+    assert shape_grid.versus_rows("tiny", tmp_path, "qk_norm") == []  # not measured in this run
+    assert shape_grid.main(["--summarize", f"tiny={tmp_path}", "--versus", "qk_map_wide"]) == 0
+    printed = capsys.readouterr().out
+    assert "ratios against qk_map_wide" in printed and "| tiny | d16 h4/kv1 L1 | 8 | qk_map_wide_recompute |" in printed
