@@ -77,6 +77,11 @@ class QKMapFeatureMap(nn.Module):
         log_frequency = self.log_frequency  # float32 already under _keep_in_fp32_modules: no call per token
         return (log_frequency if log_frequency.dtype == torch.float32 else log_frequency.float()).exp()
 
+    def map_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``omega`` and the effective query and key gains: what every path of the map is given."""
+        frequency = self.frequency()
+        return frequency, self.effective_gain(self.query_gain, frequency), self.effective_gain(self.key_gain, frequency)
+
     def effective_gain(self, gain: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
         """Gain applied to the features: ``stored / omega`` under the inverse-frequency parametrization, then as the
         gain treatment has it (``normalized``: each row at RMS 1)."""
@@ -92,9 +97,7 @@ class QKMapFeatureMap(nn.Module):
         if query.shape[-2] == 1 and self.cos_blocks.stacks_decoding and self.parameters_are_constant(query):
             stacked = self.decoding_parameters(query.shape[1] // key.shape[1])
             return one_token_query_key_features(query, key, *stacked, cos, sin, rotate)
-        frequency = self.frequency()
-        query_gain, key_gain = (self.effective_gain(g, frequency) for g in (self.query_gain, self.key_gain))
-        return self.cos_blocks.features(rotate, query, key, frequency, query_gain, key_gain, cos, sin)
+        return self.cos_blocks.features(rotate, query, key, *self.map_parameters(), cos, sin)
 
     def project(
         self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -103,11 +106,9 @@ class QKMapFeatureMap(nn.Module):
         (``qkmap_recompute_projections``), or None where that node does not apply (``recomputes_projections``)."""
         if not self.recomputes_projections(q_proj, k_proj, hidden_states):
             return None
-        frequency = self.frequency()
-        query_gain, key_gain = (self.effective_gain(g, frequency) for g in (self.query_gain, self.key_gain))
         return qkmap_projected_query_key_features(
-            hidden_states, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, frequency, query_gain, key_gain,
-            cos, sin, self.config.qkmap_rotate_cos_blocks,
+            hidden_states, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, *self.map_parameters(), cos, sin,
+            self.config.qkmap_rotate_cos_blocks,
         )  # fmt: skip
 
     def recomputes_projections(self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor) -> bool:
@@ -147,9 +148,7 @@ class QKMapFeatureMap(nn.Module):
         parameters = (self.log_frequency, self.query_gain, self.key_gain)
         key = (groups, *((id(p), p._version, p.data_ptr(), p.dtype, p.device) for p in parameters))
         if self._decoding_parameters is None or self._decoding_parameters[0] != key:
-            frequency = self.frequency()
-            gains = (self.effective_gain(gain, frequency) for gain in (self.query_gain, self.key_gain))
-            self._decoding_parameters = (key, stack_query_key_parameters(frequency, *gains, groups))
+            self._decoding_parameters = (key, stack_query_key_parameters(*self.map_parameters(), groups))
         return self._decoding_parameters[1]
 
     def forget_decoding_parameters(self) -> None:
@@ -281,10 +280,7 @@ class QKMapFeatures(QueryKeyConstruction):
 
     @classmethod
     def statistics(cls, attention: nn.Module, scaling: float) -> dict[str, float]:
-        feature_map = attention.qk_map
-        frequency = feature_map.frequency().detach()
-        query_gain = feature_map.effective_gain(feature_map.query_gain, frequency).detach()
-        key_gain = feature_map.effective_gain(feature_map.key_gain, frequency).detach()
+        frequency, query_gain, key_gain = (tensor.detach() for tensor in attention.qk_map.map_parameters())
         return {
             "logit_bound": float(scaling * qkmap_gain_bound(query_gain, key_gain).max()),
             "query_gain_norm": float(query_gain.flatten(1).norm(dim=-1).max()),
