@@ -710,7 +710,7 @@ def versus_rows(label: str, directory: Path, reference: str) -> list[dict]:
         raw = json.loads(part.read_text())["raw"]
         if not any(row["variant"] == reference for row in raw):
             continue
-        shape = {key: raw[0][key] for key in ("shape", "head_dim", "heads", "kv_heads", "layers", "hidden_size")}
+        shape = shape_fields(size_of_row(raw[0]))
         paired = ratios([row for row in raw if row["metric"] in COLUMNS], reference)
         rows += [{**shape, **row, "run": label} for row in paired if row["variant"] != reference]
     return rows

@@ -242,18 +242,13 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
 def _query_key_gradients(grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, needs):
     """Gradients of ``QKMapQueryKeyFunction`` for its seven tensor inputs; ``needs`` in that order."""
     need_q, need_k, need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = needs[:7]
+    query_needs = (need_q, need_frequency, need_q_gain, need_cos, need_sin)
+    key_needs = (need_k, need_frequency, need_k_gain, need_cos, need_sin)
     grad_q, freq_q, gain_q, cos_q, sin_q = _feature_gradients(
-        grad_query,
-        query,
-        frequency,
-        query_gain,
-        cos,
-        sin,
-        rotate,
-        (need_q, need_frequency, need_q_gain, need_cos, need_sin),
+        grad_query, query, frequency, query_gain, cos, sin, rotate, query_needs
     )
     grad_k, freq_k, gain_k, cos_k, sin_k = _feature_gradients(
-        grad_key, key, frequency, key_gain, cos, sin, rotate, (need_k, need_frequency, need_k_gain, need_cos, need_sin)
+        grad_key, key, frequency, key_gain, cos, sin, rotate, key_needs
     )
     return grad_q, grad_k, _add(freq_q, freq_k), gain_q, gain_k, _add(cos_q, cos_k), _add(sin_q, sin_k)
 
@@ -305,8 +300,10 @@ class QKMapProjectedQueryKeyFunction(torch.autograd.Function):
         hidden, query_weight, query_bias, key_weight, key_bias, *shared = ctx.saved_tensors
         needs = ctx.needs_input_grad
         need_query, need_key = any(needs[0:3]), needs[0] or any(needs[3:5])
-        query = _project(hidden, query_weight, query_bias, ctx.width) if need_query or any(needs[5:]) else None
-        key = _project(hidden, key_weight, key_bias, ctx.width) if need_key or any(needs[5:]) else None
+        need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = needs[5:10]
+        both = need_frequency or need_cos or need_sin  # gradients both sides' maps contribute to
+        query = _project(hidden, query_weight, query_bias, ctx.width) if need_query or need_q_gain or both else None
+        key = _project(hidden, key_weight, key_bias, ctx.width) if need_key or need_k_gain or both else None
         grad_q, grad_k, *grads = _query_key_gradients(
             grad_query, grad_key, query, key, *shared, ctx.rotate_cos_blocks, (need_query, need_key, *needs[5:10])
         )
