@@ -27,6 +27,9 @@ from transformers import Cache, StaticCache
 import qkmap_hf
 from qkmap_hf import QKMapConfig, QKMapForCausalLM
 
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_time import KernelReplay, record_training_calls  # noqa: E402
+
 PREFILL_CALLS = 5  # timed prefills per repeat; the repeat's value is their median
 WARMUP_REPEATS = 1  # forward and training repeats timed before the recorded ones and dropped (see measure)
 DECODE_CACHES = ("dynamic", "static")
@@ -156,12 +159,15 @@ def measure(args: argparse.Namespace, size: dict | None = None) -> list[dict]:
     rows: list[dict] = []
     for seq_len in args.seq_lens:
         ids = torch.randint(0, size["vocab_size"], (args.batch, seq_len), device=args.device)
+        replays = {}  # the attention kernel's calls of one training step per variant, replayed alone
         for name, model in models.items():  # warm-up and the size metrics, once per variant
             with torch.no_grad():
                 model(ids)
             model.zero_grad(set_to_none=True)
             if seq_len <= args.max_train_len:
                 rows += saved_bytes_rows(name, model, ids)
+                if getattr(args, "kernel_time", False):
+                    replays[name] = KernelReplay(record_training_calls(model, ids))
         # Repeat -1 is timed like the others and dropped: the first timed repeat ran slowest for every variant and
         # most for standard, timed first (a training step 1.8x its later ones at d64 h8/kv2 L8 T = 1024, even
         # after an untimed training step per variant), which biased every ratio of that repeat low.
@@ -191,6 +197,17 @@ def measure(args: argparse.Namespace, size: dict | None = None) -> list[dict]:
                             seq_len=seq_len,
                             metric="train_tokens_per_s",
                             value=ids.numel() / seconds,
+                            repeat=repeat,
+                        )
+                    )
+                if name in replays and replays[name].calls:
+                    seconds = timed(replays[name], args.device)
+                    rows.append(
+                        dict(
+                            variant=name,
+                            seq_len=seq_len,
+                            metric="attention_kernel_ms",
+                            value=seconds * 1e3,
                             repeat=repeat,
                         )
                     )

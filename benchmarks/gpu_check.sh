@@ -18,8 +18,8 @@
 #   4. benchmarks/shape_grid.py (sdpa, bf16) on a GPU-sized subset of the issue-23 grid: head_dim 64 and 128,
 #      16 heads with and without GQA 4:1, 2 layers, T = 2048, every variant (the wide layout also with
 #      qkmap_recompute_projections): per shape the same ratios with their matmul-FLOP
-#      floors (decode also its memory floor) and the KV-cache bytes per token after generate() (dynamic and
-#      static cache);
+#      floors (decode also its memory floor; training also the floor with the attention kernel's measured time,
+#      --kernel-time) and the KV-cache bytes per token after generate() (dynamic and static cache);
 #   5. the same grid's decoding with a StaticCache (--decode-cache static, the cache of generate(
 #      cache_implementation="static") and of compiled decoding): decode ratios, the cache written in place.
 # It ends with the PASS/FAIL list and ONE Markdown table of every benchmark step's ratios (shape_grid.py
@@ -94,7 +94,7 @@ for path in "${PATHS[@]}"; do
 done
 
 step grid "$T_GRID" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype "$DTYPE" --attn sdpa "${GRID[@]}" \
-    --output-dir "$OUT/grid"
+    --kernel-time --output-dir "$OUT/grid"
 step grid_static "$T_GRID_STATIC" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype "$DTYPE" --attn sdpa \
     "${GRID[@]}" --no-train --decode-cache static --output-dir "$OUT/grid_static"
 

@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -62,7 +63,10 @@ TIME_METRICS = {
     "forward_tokens_per_s": "forward",
     "prefill_ms": "prefill",
     "decode_ms_per_token": "decode",
+    "attention_kernel_ms": "attention kernel (train)",
 }
+# Time metrics torch.profiler can be pointed at (``profile_case``): the kernel's replay is not a model pass.
+PROFILED_METRICS = ("train_tokens_per_s", "forward_tokens_per_s", "prefill_ms", "decode_ms_per_token")
 BYTE_METRICS = {
     "activation_bytes": "saved act. bytes",
     "kv_bytes_per_token_dynamic": "KV B/token (dynamic)",
@@ -87,6 +91,7 @@ SUMMARY_FIELDS = (
     "ratio_max",
     "floor_ratio",
     "memory_floor_ratio",
+    "kernel_floor_ratio",
 )
 
 
@@ -145,29 +150,69 @@ def matmul_flops(config, seq_len: int, phase: str, attn: str = "sdpa") -> float:
     Elementwise work (the feature map's sin/cos, RoPE, norms, softmax) is left out on purpose: what it costs is
     the overhead above the floor.
     """
+    return sum(matmul_flop_parts(config, seq_len, phase, attn))
+
+
+def matmul_flop_parts(config, seq_len: int, phase: str, attn: str = "sdpa") -> tuple[float, float]:
+    """``matmul_flops`` in two parts: the attention kernel's (QK^T and PV) and every other matmul's."""
     heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
     head_dim, projection, query_key = config.head_dim, config.projection_dim, config.query_key_dim
     if phase == "train":
+        kernel, other = matmul_flop_parts(config, seq_len, "forward", attn)
         recomputed = 2 * hidden * (heads + kv_heads) * projection * seq_len * config.num_hidden_layers
         recomputes = config.qk_mode == "qk_map" and config.qkmap_recompute_projections
-        return 3 * matmul_flops(config, seq_len, "forward", attn) + (recomputed if recomputes else 0)
+        return 3 * kernel, 3 * other + (recomputed if recomputes else 0)
     tokens, pairs = (1, seq_len) if phase == "decode" else (seq_len, seq_len * (seq_len + 1) / 2)
     values = value_width(config, attn, tokens)
     projections = 2 * hidden * (heads * projection + kv_heads * projection + kv_heads * head_dim + heads * head_dim)
     mlp = 2 * 3 * hidden * config.intermediate_size
     attention = 2 * heads * pairs * (query_key + values)
     lm_head = 2 * hidden * config.vocab_size * tokens
-    return config.num_hidden_layers * (tokens * (projections + mlp) + attention) + lm_head
+    return config.num_hidden_layers * attention, config.num_hidden_layers * tokens * (projections + mlp) + lm_head
 
 
 def floor_ratio(size: dict, variant: str, metric: str, seq_len: int, attn: str = "sdpa") -> float | None:
     """The arithmetic floor of a time ratio (variant's matmul FLOPs over standard's), None for byte metrics."""
     if metric not in TIME_METRICS:
         return None
+    if metric == "attention_kernel_ms":  # the kernel's own FLOPs in a training step
+        kernel = {
+            name: matmul_flop_parts(variant_config(name, size), seq_len, "train", attn)[0]
+            for name in (variant, "standard")
+        }
+        return kernel[variant] / kernel["standard"]
     phase = {"decode_ms_per_token": "decode", "train_tokens_per_s": "train"}.get(metric, "forward")
     return matmul_flops(variant_config(variant, size), seq_len, phase, attn) / matmul_flops(
         variant_config("standard", size), seq_len, phase, attn
     )
+
+
+def kernel_floor_ratio(
+    size: dict, variant: str, seq_len: int, raw: list[dict], attn: str = "sdpa", batch: int = 1
+) -> float | None:
+    """The training-step floor with the attention kernel's measured time in place of its FLOPs: per repeat,
+    ``((t_s - k_s) * r + k_v) / t_s``, standard's step ``t_s`` with standard's kernel time ``k_s`` swapped for the
+    variant's ``k_v`` (both replayed alone, ``kernel_time.py``) and the rest scaled by the ratio ``r`` of the other
+    matmuls' FLOPs; median over repeats. What a variant's step measures above it is the work outside the kernel
+    (the feature map, padding, copies). None unless the raw rows hold the kernel's time."""
+    series: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for row in raw:
+        if int(row["seq_len"]) == seq_len and row["metric"] in ("train_tokens_per_s", "attention_kernel_ms"):
+            series[(row["variant"], row["metric"])][row["repeat"]] = row["value"]
+    step, kernel = series[("standard", "train_tokens_per_s")], series[("standard", "attention_kernel_ms")]
+    variant_kernel = series[(variant, "attention_kernel_ms")]
+    repeats = sorted(set(step) & set(kernel) & set(variant_kernel))
+    if not repeats:
+        return None
+    other = {
+        name: matmul_flop_parts(variant_config(name, size), seq_len, "train", attn)[1] for name in (variant, "standard")
+    }
+    scale = other[variant] / other["standard"]
+    floors = []
+    for repeat in repeats:
+        standard_ms = 1e3 * batch * seq_len / step[repeat]  # tokens per second -> ms per step
+        floors.append(((standard_ms - kernel[repeat]) * scale + variant_kernel[repeat]) / standard_ms)
+    return statistics.median(floors)
 
 
 # Passes over the whole key/value cache in one decoded token. DynamicCache: ``torch.cat`` reads the old cache and
@@ -340,6 +385,7 @@ def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
         prefill_calls=args.prefill_calls,
         decode_tokens=args.decode_tokens,
         decode_cache=args.decode_cache,
+        kernel_time=args.kernel_time and args.train,
     )
     raw = measure(shape_args, size)
     summary = with_activation_floors(case_summary(args, size, seq_len, raw), size, args.attn, args.batch, args.dtype)
@@ -350,11 +396,17 @@ def case_summary(args: argparse.Namespace, size: dict, seq_len: int, raw: list[d
     """Summary rows of one (shape, T) from its raw rows: ratios of the table's metrics, with the case's fields and
     time floors (saved-bytes floors need the whole case: ``with_activation_floors``)."""
     fields = shape_fields(size) | {"decode_cache": args.decode_cache, "batch": args.batch}
-    return [
+    rows = [
         with_floors({**fields, **row, "seq_len": seq_len}, size, args.attn)
         for row in ratios(raw)
         if row["metric"] in COLUMNS  # not the prefill cache's bytes: replaced by generate's, per token
     ]
+    for row in rows:
+        if row["metric"] == "train_tokens_per_s" and row["variant"] != "standard":
+            floor = kernel_floor_ratio(size, row["variant"], seq_len, raw, args.attn, args.batch)
+            if floor is not None:
+                row["kernel_floor_ratio"] = floor
+    return rows
 
 
 def remeasure_saved_bytes(
@@ -440,7 +492,8 @@ def settings_added_later(args: argparse.Namespace) -> dict:
     decode cache only when it is not the default (earlier parts all used a dynamic cache), and for parts that time
     training the dropped warm-up repeat (earlier ones lack it and are remeasured) and the saved-bytes count."""
     cache = {} if args.decode_cache == "dynamic" else {"decode_cache": args.decode_cache}
-    return cache | ({"warmup_repeats": WARMUP_REPEATS} | SAVED_BYTES_COUNT if args.train else {})
+    kernel = {"kernel_time": True} if args.kernel_time and args.train else {}
+    return cache | kernel | ({"warmup_repeats": WARMUP_REPEATS} | SAVED_BYTES_COUNT if args.train else {})
 
 
 def part_path(args: argparse.Namespace, size: dict, seq_len: int) -> Path:
@@ -529,6 +582,8 @@ def format_cell(row: dict) -> str:
     floor, memory = row.get("floor_ratio"), row.get("memory_floor_ratio")
     if isinstance(floor, float):
         cell += f" vs floor {floor:.3f}"
+    kernel = row.get("kernel_floor_ratio")
+    cell += f" / kernel {kernel:.3f}" if isinstance(kernel, float) else ""
     return cell + (f" / memory {memory:.3f}" if isinstance(memory, float) else "")
 
 
@@ -581,6 +636,9 @@ def plot(summary: list[dict], path: Path) -> Path | None:
             memory = [rows[cases[i]].get("memory_floor_ratio") for i in xs]
             if all(isinstance(f, float) for f in memory) and any(f != 1.0 for f in memory):
                 ax.plot(xs, memory, ls=":", color=line[0].get_color(), alpha=0.8, label=f"{variant} memory floor")
+            kernel = [rows[cases[i]].get("kernel_floor_ratio") for i in xs]
+            if all(isinstance(f, float) for f in kernel):
+                ax.plot(xs, kernel, ls="-.", color=line[0].get_color(), alpha=0.8, label=f"{variant} kernel floor")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_ylabel("ratio vs standard")
         ax.set_title(COLUMNS[metric])
@@ -691,7 +749,7 @@ def read_summary(label: str, directory: Path, attn: str = "sdpa") -> list[dict] 
             continue
         for key in ("median", "cost_ratio", "ratio_min", "ratio_max"):
             row[key] = float(row[key])
-        for key in ("floor_ratio", "memory_floor_ratio"):
+        for key in ("floor_ratio", "memory_floor_ratio", "kernel_floor_ratio"):
             row[key] = float(row[key]) if row.get(key) else None
         size = size_of_row(row) if row.get("head_dim") else MODEL_SIZE  # attention_overhead.py: MODEL_SIZE
         row = {**shape_fields(size), **row}
@@ -746,6 +804,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--no-train", dest="train", action="store_false", help="skip the training step and its bytes")
+    p.add_argument(
+        "--kernel-time", action="store_true",
+        help="also time the attention kernel's calls of a training step replayed alone, and give each training "
+        "ratio a floor with the kernel's measured time in place of its FLOPs (kernel_time.py)",
+    )  # fmt: skip
     p.add_argument(
         "--in-process", dest="isolate", action="store_false",
         help="measure every (shape, T) in this process (default: each in a fresh one, so memory the allocator "
@@ -834,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {COLUMNS[metric]}, {variant}: {row['shape']} T={row['seq_len']}: {format_cell(row)}")
     if args.profile_worst:  # per time metric, the worst QK-MAP layout's worst shape, and standard there
         by_label = {shape_label(size): size for size in sizes}
-        for metric in TIME_METRICS:
+        for metric in PROFILED_METRICS:
             rows = [r for (m, v), r in worst.items() if m == metric and v.startswith("qk_map")]
             if not rows:
                 continue

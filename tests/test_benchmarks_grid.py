@@ -20,7 +20,7 @@ from qkmap_hf import QKMapForCausalLM  # noqa: E402
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> tuple[list[dict], Path]:
     """d16, 4 query heads sharing 1 key/value head (GQA 4:1), 1 layer, T = 8, one repeat."""
-    summary, _, _, skipped = run_tiny_grid(tmp_path_factory.mktemp("grid"), "--in-process")
+    summary, _, _, skipped = run_tiny_grid(tmp_path_factory.mktemp("grid"), "--in-process", "--kernel-time")
     assert skipped == []
     path = tmp_path_factory.mktemp("grid") / "shape_grid_summary.csv"
     shape_grid.write_csv(path, summary, shape_grid.SUMMARY_FIELDS)
@@ -81,9 +81,12 @@ def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid)
         # decode has a memory floor.
         assert row["floor_ratio"] != "", row
         assert (row["memory_floor_ratio"] != "") == (row["metric"] == "decode_ms_per_token"), row
+        # --kernel-time: every layout's training ratio also gets the floor with the kernel's measured time
+        trained = row["metric"] == "train_tokens_per_s" and row["variant"] != "standard"
+        assert (row["kernel_floor_ratio"] != "") == trained, row
     table = shape_grid.markdown(summary)
     assert table.count("\n") == 1 + len(shape_grid.VARIANTS) - 1  # header, rule, one row per non-standard variant
-    assert "vs floor" in table
+    assert "vs floor" in table and "/ kernel" in table
 
 
 def test_wide_kv_bytes_per_token_follow_the_cached_widths(grid) -> None:
@@ -469,6 +472,14 @@ def test_parts_that_time_training_record_the_warm_up_and_decode_only_parts_match
     assert "warmup_repeats" not in decode_only and "decode_cache" not in decode_only
     static = shape_grid.measurement_settings(tiny_grid_args(tmp_path, "--no-train", "--decode-cache", "static"))
     assert static["decode_cache"] == "static"
+
+
+def test_parts_with_the_kernel_time_are_kept_apart_from_parts_without(tmp_path) -> None:
+    plain = shape_grid.measurement_settings(tiny_grid_args(tmp_path))
+    timed = shape_grid.measurement_settings(tiny_grid_args(tmp_path, "--kernel-time"))
+    assert "kernel_time" not in plain and timed["kernel_time"] is True  # older parts still match plain runs
+    decode_only = shape_grid.measurement_settings(tiny_grid_args(tmp_path, "--kernel-time", "--no-train"))
+    assert "kernel_time" not in decode_only  # nothing to replay without the training step
 
 
 def test_summarize_versus_pairs_two_layouts_per_repeat_from_the_parts(tmp_path, capsys) -> None:
