@@ -166,7 +166,7 @@ def measure(args: argparse.Namespace, size: dict | None = None) -> list[dict]:
             model.zero_grad(set_to_none=True)
             if seq_len <= args.max_train_len:
                 rows += saved_bytes_rows(name, model, ids)
-                if getattr(args, "kernel_time", False):
+                if getattr(args, "kernel_time", False):  # a Namespace built by hand may leave it out
                     replays[name] = KernelReplay(record_training_calls(model, ids))
         # Repeat -1 is timed like the others and dropped: the first timed repeat ran slowest for every variant and
         # most for standard, timed first (a training step 1.8x its later ones at d64 h8/kv2 L8 T = 1024, even
@@ -376,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-cache", choices=DECODE_CACHES, default="dynamic", help="the cache prefill fills and decoding grows"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--kernel-time",
+        action="store_true",
+        help="also time the attention kernel's calls of each training step replayed alone (attention_kernel_ms)",
+    )
     parser.add_argument(
         "--variants",
         nargs="+",

@@ -3,9 +3,12 @@
 Counts every aten op a decoding step dispatches (a ``TorchDispatchMode``), for a 2-layer model of one grid shape
 (``--head-dim``, ``--heads``, ``--kv-heads``; hidden = heads x head_dim), sdpa, after a 16-token prefill. QK-MAP is
 counted as it runs (omega and the gains' rows kept between tokens) and with those rows recomputed every token, as
-before they were kept. Prints the totals and the ops whose counts differ.
+before they were kept. Prints the totals and the ops whose counts differ. With ``--train``, the ops of one training
+step (forward and backward, 16 tokens) of standard attention and both layouts instead: a cost per step and layer
+that does not shrink with the model ("Is it the kernel?").
 
     python benchmarks/decode_op_count.py --head-dim 64 --heads 2 --kv-heads 2
+    python benchmarks/decode_op_count.py --head-dim 64 --heads 2 --kv-heads 2 --train
 """
 
 from __future__ import annotations
@@ -40,14 +43,19 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_ops(head_dim: int, heads: int, kv_heads: int, **fields) -> Counter[str]:
-    """The ops of the second decoded token (the first fills what is kept between tokens)."""
+def counted_model(head_dim: int, heads: int, kv_heads: int, layers: int = 2, **fields) -> QKMapForCausalLM:
+    """A small model of one grid shape (hidden = heads x head_dim), sdpa; ``fields`` choose the layout."""
     config = QKMapConfig(
-        vocab_size=256, hidden_size=heads * head_dim, intermediate_size=352, num_hidden_layers=2,
+        vocab_size=256, hidden_size=heads * head_dim, intermediate_size=352, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=2048,
         attn_implementation="sdpa", **fields,
     )  # fmt: skip
-    model = QKMapForCausalLM(config).eval()
+    return QKMapForCausalLM(config)
+
+
+def decode_ops(head_dim: int, heads: int, kv_heads: int, **fields) -> Counter[str]:
+    """The ops of the second decoded token (the first fills what is kept between tokens)."""
+    model = counted_model(head_dim, heads, kv_heads, **fields).eval()
     cache = DynamicCache(config=model.config)
     token = torch.tensor([[5]])
     with torch.no_grad():
@@ -55,6 +63,20 @@ def decode_ops(head_dim: int, heads: int, kv_heads: int, **fields) -> Counter[st
         model(token, past_key_values=cache)
         with OpCounter() as counter:
             model(token, past_key_values=cache)
+    return counter.ops
+
+
+def training_ops(
+    head_dim: int, heads: int, kv_heads: int, layers: int = 2, seq_len: int = 16, **fields
+) -> Counter[str]:
+    """The ops of one training step (forward, loss, backward) after a first one; their count does not depend on
+    ``seq_len``: a per-step cost that a small model pays in full."""
+    model = counted_model(head_dim, heads, kv_heads, layers, **fields).train()
+    ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    with OpCounter() as counter:
+        model(ids, labels=ids).loss.backward()
     return counter.ops
 
 
@@ -79,12 +101,18 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--train", action="store_true", help="count one training step's ops instead")
     args = parser.parse_args()
     shape = (args.head_dim, args.heads, args.kv_heads)
     compact = {"qk_mode": "qk_map", "qkmap_input_dim": args.head_dim // 2}
-    counts = {"standard": decode_ops(*shape, qk_mode="standard"), "compact": decode_ops(*shape, **compact)}
-    with rows_recomputed():
-        counts["compact, rows recomputed"] = decode_ops(*shape, **compact)
+    if args.train:
+        wide = {"qk_mode": "qk_map", "qkmap_input_dim": None}  # head_dim: the wide layout
+        counts = {name: training_ops(*shape, **fields) for name, fields in
+                  (("standard", {"qk_mode": "standard"}), ("compact", compact), ("wide", wide))}  # fmt: skip
+    else:
+        counts = {"standard": decode_ops(*shape, qk_mode="standard"), "compact": decode_ops(*shape, **compact)}
+        with rows_recomputed():
+            counts["compact, rows recomputed"] = decode_ops(*shape, **compact)
     print(", ".join(f"{name}: {sum(ops.values())} ops" for name, ops in counts.items()))
     names = sorted(set().union(*counts.values()))
     print(f"{'op':24s}" + "".join(f"{name:>26s}" for name in counts))

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from decode_op_count import decode_ops, rows_recomputed  # noqa: E402
+from decode_op_count import decode_ops, rows_recomputed, training_ops  # noqa: E402
 
 
 def test_decode_op_count_sees_the_kept_rows_skip_omega_and_the_gains():
@@ -32,3 +32,19 @@ def test_compact_decode_dispatches_no_more_ops_than_standard_attention():
     wide = sum(decode_ops(16, 4, 2, qk_mode="qk_map").values())
     assert compact <= standard
     assert wide - standard <= 10 * 2  # at most 10 more per layer (2 layers)
+
+
+def test_a_training_steps_extra_ops_are_a_cost_per_layer_that_does_not_grow_with_the_sequence():
+    """docs/performance.md, "Is it the kernel?": the feature map adds a fixed number of dispatched ops per layer to a
+    training step, the same at 8 and 32 tokens and the same for every layer added; the trig runs once forward and
+    once recomputed in the backward pass for queries and keys (``cos`` and ``sin_`` 4 times per layer each)."""
+    compact = {"qk_mode": "qk_map", "qkmap_input_dim": 8}
+    extra = {}
+    for layers, seq_len in ((1, 8), (1, 32), (2, 8), (3, 8)):
+        standard = training_ops(16, 4, 2, layers, seq_len, qk_mode="standard")
+        mapped = training_ops(16, 4, 2, layers, seq_len, **compact)
+        extra[(layers, seq_len)] = sum(mapped.values()) - sum(standard.values())
+        assert (mapped["sin_"], mapped["cos"] - standard["cos"]) == (4 * layers, 4 * layers)
+    assert extra[(1, 8)] == extra[(1, 32)]
+    per_layer = extra[(2, 8)] - extra[(1, 8)]
+    assert per_layer > 0 and extra[(3, 8)] - extra[(2, 8)] == per_layer
