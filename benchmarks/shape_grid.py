@@ -171,20 +171,19 @@ def matmul_flop_parts(config, seq_len: int, phase: str, attn: str = "sdpa") -> t
     return config.num_hidden_layers * attention, config.num_hidden_layers * tokens * (projections + mlp) + lm_head
 
 
+def over_standard(size: dict, variant: str, count) -> float:
+    """``count(config)`` of the variant's config at ``size`` over standard's: every counted floor's ratio."""
+    return count(variant_config(variant, size)) / count(variant_config("standard", size))
+
+
 def floor_ratio(size: dict, variant: str, metric: str, seq_len: int, attn: str = "sdpa") -> float | None:
     """The arithmetic floor of a time ratio (variant's matmul FLOPs over standard's), None for byte metrics."""
     if metric not in TIME_METRICS:
         return None
     if metric == "attention_kernel_ms":  # the kernel's own FLOPs in a training step
-        kernel = {
-            name: matmul_flop_parts(variant_config(name, size), seq_len, "train", attn)[0]
-            for name in (variant, "standard")
-        }
-        return kernel[variant] / kernel["standard"]
+        return over_standard(size, variant, lambda config: matmul_flop_parts(config, seq_len, "train", attn)[0])
     phase = {"decode_ms_per_token": "decode", "train_tokens_per_s": "train"}.get(metric, "forward")
-    return matmul_flops(variant_config(variant, size), seq_len, phase, attn) / matmul_flops(
-        variant_config("standard", size), seq_len, phase, attn
-    )
+    return over_standard(size, variant, lambda config: matmul_flops(config, seq_len, phase, attn))
 
 
 def kernel_floor_ratio(
@@ -204,10 +203,7 @@ def kernel_floor_ratio(
     repeats = sorted(set(step) & set(kernel) & set(variant_kernel))
     if not repeats:
         return None
-    other = {
-        name: matmul_flop_parts(variant_config(name, size), seq_len, "train", attn)[1] for name in (variant, "standard")
-    }
-    scale = other[variant] / other["standard"]
+    scale = over_standard(size, variant, lambda config: matmul_flop_parts(config, seq_len, "train", attn)[1])
     floors = []
     for repeat in repeats:
         standard_ms = 1e3 * batch * seq_len / step[repeat]  # tokens per second -> ms per step
@@ -257,11 +253,7 @@ def memory_floor_ratio(
     if metric != "decode_ms_per_token":
         return None
     passes = CACHE_PASSES[cache]
-    moved = {
-        name: decode_elements_moved(variant_config(name, size), seq_len, attn, passes, batch)
-        for name in (variant, "standard")
-    }
-    return moved[variant] / moved["standard"]
+    return over_standard(size, variant, lambda config: decode_elements_moved(config, seq_len, attn, passes, batch))
 
 
 def with_floors(row: dict, size: dict, attn: str = "sdpa") -> dict:
