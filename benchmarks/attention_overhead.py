@@ -48,7 +48,11 @@ VARIANTS = {
     "qk_norm": dict(qk_mode="qk_norm"),
     # qkmap_input_dim of the compact layout: head_dim // (2F) of the size measured (variant_fields).
     "qk_map_compact": dict(qk_mode="qk_map", qkmap_input_dim=32, qkmap_num_frequencies=1),
-    "qk_map_wide": dict(qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1),
+    # The wide layout keeping z for the backward pass, as every record before 2026-12-03 measured it (since then the
+    # default, qkmap_recompute_projections=None, recomputes in the wide layout: qk_map_wide_recompute).
+    "qk_map_wide": dict(
+        qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1, qkmap_recompute_projections=False
+    ),
     # The wide layout whose training recomputes q_proj/k_proj's outputs instead of keeping them.
     "qk_map_wide_recompute": dict(
         qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1, qkmap_recompute_projections=True

@@ -4,8 +4,9 @@ Counts every aten op a decoding step dispatches (a ``TorchDispatchMode``), for a
 (``--head-dim``, ``--heads``, ``--kv-heads``; hidden = heads x head_dim), sdpa, after a 16-token prefill. QK-MAP is
 counted as it runs (omega and the gains' rows kept between tokens) and with those rows recomputed every token, as
 before they were kept. Prints the totals and the ops whose counts differ. With ``--train``, the ops of one training
-step (forward and backward, 16 tokens) of standard attention and both layouts instead: a cost per step and layer
-that does not shrink with the model ("Is it the kernel?").
+step (forward and backward, 16 tokens) of standard attention and both layouts instead, the wide one keeping ``z``
+and recomputing the projections (its default): a cost per step and layer that does not shrink with the model ("Is
+it the kernel?").
 
     python benchmarks/decode_op_count.py --head-dim 64 --heads 2 --kv-heads 2
     python benchmarks/decode_op_count.py --head-dim 64 --heads 2 --kv-heads 2 --train
@@ -106,9 +107,11 @@ def main() -> int:
     shape = (args.head_dim, args.heads, args.kv_heads)
     compact = {"qk_mode": "qk_map", "qkmap_input_dim": args.head_dim // 2}
     if args.train:
-        wide = {"qk_mode": "qk_map", "qkmap_input_dim": None}  # head_dim: the wide layout
-        counts = {name: training_ops(*shape, **fields) for name, fields in
-                  (("standard", {"qk_mode": "standard"}), ("compact", compact), ("wide", wide))}  # fmt: skip
+        wide = {"qk_mode": "qk_map", "qkmap_input_dim": None, "qkmap_recompute_projections": False}  # keeping z
+        recomputing = {**wide, "qkmap_recompute_projections": None}  # the wide layout's default
+        layouts = (("standard", {"qk_mode": "standard"}), ("compact", compact), ("wide", wide),
+                   ("wide, recomputing", recomputing))  # fmt: skip
+        counts = {name: training_ops(*shape, **fields) for name, fields in layouts}
     else:
         counts = {"standard": decode_ops(*shape, qk_mode="standard"), "compact": decode_ops(*shape, **compact)}
         with rows_recomputed():

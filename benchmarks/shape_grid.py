@@ -160,8 +160,7 @@ def matmul_flop_parts(config, seq_len: int, phase: str, attn: str = "sdpa") -> t
     if phase == "train":
         kernel, other = matmul_flop_parts(config, seq_len, "forward", attn)
         recomputed = 2 * hidden * (heads + kv_heads) * projection * seq_len * config.num_hidden_layers
-        recomputes = config.qk_mode == "qk_map" and config.qkmap_recompute_projections
-        return 3 * kernel, 3 * other + (recomputed if recomputes else 0)
+        return 3 * kernel, 3 * other + (recomputed if config.resolved_qkmap_recompute_projections else 0)
     tokens, pairs = (1, seq_len) if phase == "decode" else (seq_len, seq_len * (seq_len + 1) / 2)
     values = value_width(config, attn, tokens)
     projections = 2 * hidden * (heads * projection + kv_heads * projection + kv_heads * head_dim + heads * head_dim)

@@ -60,26 +60,35 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ValueError(f"--config {item!r} must look like FIELD=VALUE, e.g. qkmap_min_frequency=0.1.")
         key = key.strip()
-        overrides[key] = boolean_value(item, value.strip()) if key in _boolean_fields() else parse_value(value.strip())
+        text, nullable = value.strip(), key in _boolean_fields(nullable=True)
+        if nullable or key in _boolean_fields():
+            overrides[key] = boolean_value(item, text, nullable)
+        else:
+            overrides[key] = parse_value(text)
     return overrides
 
 
 BOOLEAN_VALUES = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
-def _boolean_fields() -> list[str]:
+def _boolean_fields(nullable: bool = False) -> list[str]:
     from .modeling.configuration_qkmap import QKMapConfig
 
-    return QKMapConfig.boolean_field_names()
+    return QKMapConfig.boolean_field_names(nullable)
 
 
-def boolean_value(item: str, text: str) -> bool:
-    """``true/false/1/0/yes/no`` (any case) as a bool; anything else is refused (a word is not a truthy value)."""
+def boolean_value(item: str, text: str, nullable: bool = False) -> bool | None:
+    """``true/false/1/0/yes/no`` (any case) as a bool, and ``null``/``none`` as None for a ``nullable`` field (its
+    default in effect); anything else is refused (a word is not a truthy value)."""
+    if nullable and text.lower() in ("null", "none"):
+        return None
     try:
         return BOOLEAN_VALUES[text.lower()]
     except KeyError:
+        default = ", or null for its default" if nullable else ""
         raise ValueError(
-            f"--config {item!r}: {item.partition('=')[0].strip()} is a boolean field; use true/false (or 1/0, yes/no)."
+            f"--config {item!r}: {item.partition('=')[0].strip()} is a boolean field; use true/false (or 1/0, "
+            f"yes/no){default}."
         ) from None
 
 

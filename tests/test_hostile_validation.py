@@ -15,6 +15,7 @@ from transformers import AutoConfig
 
 from qkmap_hf import QKMapConfig
 from qkmap_hf.cli import build_parser
+from qkmap_hf.flags import parse_overrides
 from qkmap_hf.training.data import build_datasets, byte_level_tokenizer
 
 from .eval_utils import save_tiny_model
@@ -22,6 +23,7 @@ from .hostile import assert_refused, run_cli, tiny_llama, tree_digest
 from .utils import tiny_config_kwargs
 
 BOOLEAN_FIELDS = [n for n in QKMapConfig.qkmap_field_names() if n in QKMapConfig.boolean_field_names()]
+NULLABLE_BOOLEAN_FIELDS = [n for n in QKMapConfig.qkmap_field_names() if n in QKMapConfig.boolean_field_names(True)]
 TRAIN_FLAGS = ("--block-size", "16", "--batch-size", "2", "--max-steps", "1", "--disable-tqdm", "--no-eval-on-start",
                "--eval-steps", "100", "--save-steps", "0")  # fmt: skip
 
@@ -67,6 +69,26 @@ def test_every_boolean_qkmap_field_is_covered():
 def test_boolean_fields_accept_only_booleans(field, value):
     with pytest.raises(ValueError, match=f"QKMapConfig.{field}={value!r} is invalid"):
         QKMapConfig(**tiny_config_kwargs(**{field: value}))
+
+
+@pytest.mark.parametrize("field", NULLABLE_BOOLEAN_FIELDS)
+@pytest.mark.parametrize("value", ["no", "null", 0, 1])
+def test_nullable_boolean_fields_accept_booleans_and_none_only(field, value):
+    with pytest.raises(ValueError, match=f"QKMapConfig.{field}={value!r} is invalid; use true, false or null"):
+        QKMapConfig(**tiny_config_kwargs(**{field: value}))
+    for allowed in (True, False, None):
+        assert getattr(QKMapConfig(**tiny_config_kwargs(**{field: allowed})), field) is allowed
+
+
+def test_nullable_boolean_overrides_parse_null_and_refuse_words():
+    assert NULLABLE_BOOLEAN_FIELDS == ["qkmap_recompute_projections"]
+    parsed = parse_overrides(["qkmap_recompute_projections=null", "qkmap_input_norm=yes"])
+    assert parsed == {"qkmap_recompute_projections": None, "qkmap_input_norm": True}
+    assert parse_overrides(["qkmap_recompute_projections=No"]) == {"qkmap_recompute_projections": False}
+    with pytest.raises(ValueError, match="qkmap_recompute_projections is a boolean field; .* or null for its default"):
+        parse_overrides(["qkmap_recompute_projections=auto"])
+    with pytest.raises(ValueError, match=r"qkmap_input_norm is a boolean field; use true/false \(or 1/0, yes/no\)\.$"):
+        parse_overrides(["qkmap_input_norm=null"])
 
 
 def test_a_string_boolean_in_config_json_is_refused_naming_the_file(work, capsys):

@@ -425,6 +425,7 @@ def test_feature_map_is_one_graph_for_torch_compile():
     )
 
 
+@pytest.mark.slow  # compiles flex attention's kernel (5-11 s)
 def test_flex_attention_equals_eager_with_wide_keys():
     eager = make_model("qk_map", attn="eager")  # keys 32 wide, values 16: flex takes them unpadded
     flex = copy.deepcopy(eager)

@@ -10,19 +10,20 @@ import torch
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM
 from qkmap_hf.phases import PhaseRecorder
-from tests.utils import tiny_config_kwargs
+from tests.utils import TINY, tiny_config_kwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from attention_overhead import saved_activation_bytes  # noqa: E402
 
 FUSED_NODE = "QKMapProjectedQueryKeyFunctionBackward"
+TINY_HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
 
 
 def pair(recompute: bool = True, **overrides) -> tuple[QKMapForCausalLM, QKMapForCausalLM]:
     """The same tiny QK-MAP model without and with the recomputing node (equal weights, moved off their init)."""
     fields = dict(qk_mode="qk_map", attention_bias=True, **overrides)
     torch.manual_seed(0)
-    plain = QKMapForCausalLM(QKMapConfig(**tiny_config_kwargs(**fields)))
+    plain = QKMapForCausalLM(QKMapConfig(**tiny_config_kwargs(**fields, qkmap_recompute_projections=False)))
     with torch.no_grad():
         for parameter in plain.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
@@ -55,12 +56,8 @@ def mapped_query_node(model: QKMapForCausalLM, tokens: torch.Tensor) -> str:
     return captured["node"]
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(qkmap_num_frequencies=2, qkmap_input_dim=8)], ids=["wide", "F2-m8"])
-def test_same_loss_bit_for_bit_and_the_same_gradients(overrides):
-    plain, fused = pair(**overrides)
-    tokens = ids()
-    assert mapped_query_node(fused, tokens) == FUSED_NODE
-    assert mapped_query_node(plain, tokens) == "QKMapQueryKeyFunctionBackward"
+def assert_same_loss_and_gradients(plain: QKMapForCausalLM, fused: QKMapForCausalLM, tokens: torch.Tensor) -> None:
+    """One training step of each: the loss bit for bit, every gradient up to the order of float sums."""
     losses = []
     for model in (plain, fused):
         loss = model(tokens, labels=tokens).loss
@@ -72,6 +69,15 @@ def test_same_loss_bit_for_bit_and_the_same_gradients(overrides):
         assert (a.grad - b.grad).abs().max() <= 1e-5 * (1 + a.grad.abs().max()), name
         compared += "q_proj" in name or "k_proj" in name or "qk_map" in name
     assert compared == 7 * plain.config.num_hidden_layers  # q/k weights and biases, omega, two gains per layer
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(qkmap_num_frequencies=2, qkmap_input_dim=8)], ids=["wide", "F2-m8"])
+def test_same_loss_bit_for_bit_and_the_same_gradients(overrides):
+    plain, fused = pair(**overrides)
+    tokens = ids()
+    assert mapped_query_node(fused, tokens) == FUSED_NODE
+    assert mapped_query_node(plain, tokens) == "QKMapQueryKeyFunctionBackward"
+    assert_same_loss_and_gradients(plain, fused, tokens)
 
 
 def test_keeps_fewer_bytes_by_the_layer_input_and_the_projections():
@@ -119,12 +125,49 @@ def test_adapters_hooks_and_the_input_norm_keep_the_plain_path():
         assert torch.equal(plain(tokens).logits, fused(tokens).logits)
 
 
-def test_the_flag_is_a_boolean_and_survives_save_and_load(tmp_path):
-    with pytest.raises(ValueError, match="qkmap_recompute_projections='yes'"):
+def test_the_flag_is_a_boolean_or_none_and_survives_save_and_load(tmp_path):
+    with pytest.raises(ValueError, match="qkmap_recompute_projections='yes' is invalid; use true, false or null"):
         QKMapConfig(**tiny_config_kwargs(qkmap_recompute_projections="yes"))
-    _, fused = pair()
-    fused.save_pretrained(tmp_path)
-    assert QKMapConfig.from_pretrained(tmp_path).qkmap_recompute_projections is True
+    for value in (True, False, None):
+        model = QKMapForCausalLM(QKMapConfig(**tiny_config_kwargs(qkmap_recompute_projections=value)))
+        model.save_pretrained(tmp_path / str(value))
+        assert QKMapConfig.from_pretrained(tmp_path / str(value)).qkmap_recompute_projections is value
+
+
+@pytest.mark.parametrize(
+    ("fields", "recomputes"),
+    [
+        ({}, True),  # the wide layout: keys 2m = 2 head_dim wide
+        (dict(qkmap_num_frequencies=2, qkmap_input_dim=8), True),
+        (dict(qkmap_input_dim=TINY_HEAD_DIM // 2), False),  # the compact layout: keys head_dim wide
+        (dict(qkmap_recompute_projections=False), False),
+        (dict(qkmap_input_dim=TINY_HEAD_DIM // 2, qkmap_recompute_projections=True), True),
+        (dict(qk_mode="qk_norm"), False),
+        (dict(qk_mode="standard", qk_position_prior="constant"), False),  # wider keys, but no feature map
+    ],
+)
+def test_by_default_the_wide_layout_recomputes_and_the_compact_one_keeps_z(fields, recomputes):
+    config = QKMapConfig(**tiny_config_kwargs(**{"qk_mode": "qk_map", **fields}))
+    assert config.resolved_qkmap_recompute_projections is recomputes
+    if config.qk_mode == "qk_map":
+        expected = FUSED_NODE if recomputes else "QKMapQueryKeyFunctionBackward"
+        assert mapped_query_node(QKMapForCausalLM(config).train(), ids()) == expected
+
+
+def test_gradient_checkpointing_keeps_the_plain_path_with_the_same_loss_and_gradients():
+    """A checkpointed layer keeps only its input, so the node would only add matmuls: it steps aside while
+    checkpointing is on and comes back when it is off."""
+    plain, fused = pair()
+    tokens = ids()
+    # transformers 5.x renamed it activation checkpointing; the old name is the one every 5.x has
+    enable = getattr(fused, "activation_checkpointing_enable", fused.gradient_checkpointing_enable)
+    enable({"use_reentrant": False})
+    fused.train()
+    assert fused.model.layers[0].self_attn.qk_map.gradient_checkpointing
+    assert mapped_query_node(fused, tokens) == "QKMapQueryKeyFunctionBackward"
+    assert_same_loss_and_gradients(plain, fused, tokens)
+    getattr(fused, "activation_checkpointing_disable", fused.gradient_checkpointing_disable)()
+    assert mapped_query_node(fused, tokens) == FUSED_NODE
 
 
 @pytest.mark.slow  # compiles a training step (~20 s)

@@ -83,8 +83,11 @@ class QKMapConfig(LlamaConfig):
       that isolates magnitude from QK-MAP's relative-position prior (docs/synthetic-tasks.md).
     - ``qkmap_recompute_projections``: training maps ``q_proj``/``k_proj``'s outputs in one autograd node that
       keeps the layer input and recomputes the projections in the backward pass, instead of keeping ``z``: fewer
-      saved activation bytes for one more pair of projection matmuls (docs/performance.md). Values are the same;
-      adapters (peft), quantized projections, hooks, autocast and ``qkmap_input_norm`` keep the plain path.
+      saved activation bytes for one more pair of projection matmuls (docs/performance.md). ``None`` (default):
+      on where the keys are wider than ``head_dim`` (the wide layout, whose saved bytes it brings under 1.15x
+      standard's), off in the compact layout (already at standard's bytes). Values are the same; adapters (peft),
+      quantized projections, hooks, autocast, ``qkmap_input_norm`` and gradient checkpointing (which keeps only the
+      layer inputs anyway) keep the plain path.
 
     Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
 
@@ -114,7 +117,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_rotate_cos_blocks: bool = True
     qkmap_gain_treatment: str = "learned"
     qkmap_cos_block: str = "phase"
-    qkmap_recompute_projections: bool = False
+    qkmap_recompute_projections: bool | None = None
     logit_scale_multiplier: float = 1.0
     qk_position_prior: str = "none"
 
@@ -150,13 +153,13 @@ class QKMapConfig(LlamaConfig):
         return [name for name in cls.__annotations__ if name.startswith("qkmap_")]
 
     @classmethod
-    def boolean_field_names(cls) -> list[str]:
-        """Every boolean field, this class's and the inherited Llama ones."""
+    def boolean_field_names(cls, nullable: bool = False) -> list[str]:
+        """Every boolean field, this class's and the inherited Llama ones; ``nullable``: the ``bool | None`` fields
+        instead, which also take None (the default in effect, as their ``resolved_*`` property says)."""
+        annotations = ("bool | None",) if nullable else ("bool", "<class 'bool'>")
         names = []
         for klass in reversed(cls.__mro__):
-            names += [
-                n for n, a in vars(klass).get("__annotations__", {}).items() if str(a) in ("bool", "<class 'bool'>")
-            ]
+            names += [n for n, a in vars(klass).get("__annotations__", {}).items() if str(a) in annotations]
         return sorted(set(names))
 
     @classmethod
@@ -171,12 +174,14 @@ class QKMapConfig(LlamaConfig):
                 raise ValueError(f"QKMapConfig has no field {key!r}; {hint}")
 
     def validate_boolean_fields(self) -> None:
-        """Booleans only: a string such as "no" is truthy and would switch a feature on."""
-        for name in type(self).qkmap_field_names():
-            if str(type(self).__annotations__[name]) in ("bool", "<class 'bool'>"):
+        """Booleans only: a string such as "no" is truthy and would switch a feature on. A nullable one also takes
+        None (its default in effect)."""
+        for nullable, allowed in ((False, "true or false"), (True, "true, false or null")):
+            booleans = type(self).boolean_field_names(nullable)
+            for name in [n for n in type(self).qkmap_field_names() if n in booleans]:
                 value = getattr(self, name)
-                if not isinstance(value, bool):
-                    raise ValueError(f"QKMapConfig.{name}={value!r} is invalid; use true or false.")
+                if not (isinstance(value, bool) or (nullable and value is None)):
+                    raise ValueError(f"QKMapConfig.{name}={value!r} is invalid; use {allowed}.")
 
     def validate_float_fields(self) -> None:
         """Every float field of this class (present and future): a real number, finite, usable in float32."""
@@ -299,6 +304,17 @@ class QKMapConfig(LlamaConfig):
         """``m`` in effect: ``qkmap_input_dim``, or ``head_dim`` when it is None (the width of ``z`` per head and of
         each sin/cos block). The one name of ``m`` besides the field itself."""
         return self.qkmap_input_dim if self.qkmap_input_dim is not None else self.head_dim
+
+    @property
+    def resolved_qkmap_recompute_projections(self) -> bool:
+        """``qkmap_recompute_projections`` in effect (qk_map mode only): the field, or where it is None, whether the
+        keys are wider than ``head_dim`` (the wide layout keeps ``z`` on top of keys twice standard's width; the
+        compact one does not need the trade)."""
+        if self.qk_mode != "qk_map":
+            return False
+        if self.qkmap_recompute_projections is not None:
+            return self.qkmap_recompute_projections
+        return self.query_key_dim > self.head_dim
 
     @property
     def qkmap_feature_dim_per_block(self) -> int:

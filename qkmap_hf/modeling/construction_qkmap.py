@@ -62,6 +62,9 @@ class QKMapFeatureMap(nn.Module):
         self.gain_treatment = GAIN_TREATMENTS[getattr(config, "qkmap_gain_treatment", "learned")]
         self.cos_blocks = COS_BLOCKS[getattr(config, "qkmap_cos_block", "phase")]
         self._decoding_parameters: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by transformers' activation (gradient) checkpointing enable/disable, which sets it on every module that
+        # has it: with ``every_n_layers > 1`` the layers it leaves unchecked keep the plain path (and ``z``) too.
+        self.gradient_checkpointing = False
         self.reset_trainability()
 
     def reset_trainability(self) -> None:
@@ -112,11 +115,14 @@ class QKMapFeatureMap(nn.Module):
         )  # fmt: skip
 
     def recomputes_projections(self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor) -> bool:
-        """Whether a training forward pass maps ``q_proj``/``k_proj``'s outputs in one recomputing node: asked for,
-        gradients on, the default cos blocks, no hooks on this module (``PhaseRecorder`` reads ``z`` with one), and
-        projections that are plain ``nn.Linear`` layers without hooks in the input's dtype, outside autocast. A peft
-        adapter, a quantized layer or a hook sees its module called as usual; the values are the same either way."""
-        if not (getattr(self.config, "qkmap_recompute_projections", False) and torch.is_grad_enabled()):
+        """Whether a training forward pass maps ``q_proj``/``k_proj``'s outputs in one recomputing node: asked for
+        (``resolved_qkmap_recompute_projections``), gradients on, no gradient checkpointing, the default cos blocks,
+        no hooks on this module (``PhaseRecorder`` reads ``z`` with one), and projections that are plain
+        ``nn.Linear`` layers without hooks in the input's dtype, outside autocast. A peft adapter, a quantized layer
+        or a hook sees its module called as usual; the values are the same either way."""
+        if not (getattr(self.config, "resolved_qkmap_recompute_projections", False) and torch.is_grad_enabled()):
+            return False
+        if self.gradient_checkpointing and self.training:  # the layer keeps only its input: nothing left to save
             return False
         if self.cos_blocks.name != "phase" or torch.is_autocast_enabled(hidden_states.device.type):
             return False
