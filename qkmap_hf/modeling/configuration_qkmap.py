@@ -266,7 +266,8 @@ class QKMapConfig(LlamaConfig):
         self.validate_ablations(positive)
 
     def validate_ablations(self, positive) -> None:
-        """The ablation and tuning fields (``logit_scale_multiplier``, ``qk_position_prior``, cos-block rotation)."""
+        """The ablation and tuning fields (``logit_scale_multiplier``, ``qk_position_prior``); the cos-block rotation
+        is a boolean, which ``validate_boolean_fields`` checks."""
         positive("logit_scale_multiplier", self.logit_scale_multiplier, float)
         if self.qk_position_prior not in QK_POSITION_PRIORS:
             raise ValueError(
@@ -278,15 +279,10 @@ class QKMapConfig(LlamaConfig):
                 f"QKMapConfig.qk_position_prior={self.qk_position_prior!r} applies to qk_mode standard or qk_norm; "
                 "qk_map carries its prior in the rotated cos blocks (set qkmap_rotate_cos_blocks=False to remove it)."
             )
-        if not isinstance(self.qkmap_rotate_cos_blocks, bool):
-            raise ValueError(
-                f"QKMapConfig.qkmap_rotate_cos_blocks={self.qkmap_rotate_cos_blocks!r} is invalid; use true or false."
-            )
 
     def validate_qkmap_input_norm(self) -> None:
-        """The input norm exists in the qk_map mode only, with a power in [0, 1]."""
-        if not isinstance(self.qkmap_input_norm, bool):
-            raise ValueError(f"QKMapConfig.qkmap_input_norm={self.qkmap_input_norm!r} is invalid; it must be a bool.")
+        """The input norm exists in the qk_map mode only, with a power in [0, 1] (that it is a boolean,
+        ``validate_boolean_fields`` checked before)."""
         if self.qkmap_input_norm and self.qk_mode != "qk_map":
             raise ValueError(
                 f"QKMapConfig.qkmap_input_norm=True needs qk_mode='qk_map' (got {self.qk_mode!r}); qk_norm mode "
