@@ -69,9 +69,12 @@ TIME_METRICS = {
 PROFILED_METRICS = ("train_tokens_per_s", "forward_tokens_per_s", "prefill_ms", "decode_ms_per_token")
 BYTE_METRICS = {
     "activation_bytes": "saved act. bytes",
+    "distinct_activation_bytes": "saved, distinct storages",
     "kv_bytes_per_token_dynamic": "KV B/token (dynamic)",
     "kv_bytes_per_token_static": "KV B/token (static)",
 }
+# Saved bytes for the backward pass: every save counted (the target's count) and the distinct storages they hold.
+SAVED_BYTES_METRICS = ("activation_bytes", "distinct_activation_bytes")
 COLUMNS = {**TIME_METRICS, **BYTE_METRICS}
 SUMMARY_FIELDS = (
     "shape",
@@ -308,17 +311,19 @@ def activation_floor_ratio(
 
 
 def with_activation_floors(summary: list[dict], size: dict, attn: str, batch: int, dtype: str) -> list[dict]:
-    """The rows of one case with the saved-bytes floor on its ``activation_bytes`` rows (from standard's row)."""
-    standard = [r for r in summary if r["metric"] == "activation_bytes" and r["variant"] == "standard"]
-    if not standard:
-        return summary
-    base = standard[0]["median"]
+    """The rows of one case with the saved-bytes floor on its saved-bytes rows, every save counted and distinct
+    storages, each from standard's row of the same count: the kernel's extra storages are distinct ones too."""
+    base = {
+        r["metric"]: r["median"] for r in summary if r["metric"] in SAVED_BYTES_METRICS and r["variant"] == "standard"
+    }
     return [
         {
             **row,
-            "floor_ratio": activation_floor_ratio(size, row["variant"], int(row["seq_len"]), base, attn, batch, dtype),
+            "floor_ratio": activation_floor_ratio(
+                size, row["variant"], int(row["seq_len"]), base[row["metric"]], attn, batch, dtype
+            ),
         }
-        if row["metric"] == "activation_bytes"
+        if row["metric"] in base
         else row
         for row in summary
     ]
@@ -600,7 +605,7 @@ def markdown(summary: list[dict], run_column: bool = False) -> str:
 def plot(summary: list[dict], path: Path) -> Path | None:
     """Ratio against shape, one panel per metric, one line per variant (min..max bars), floors dashed; None when
     the summary has no time or activation metric (``--kv-only``: its table says it all)."""
-    metrics = [m for m in (*TIME_METRICS, "activation_bytes") if any(r["metric"] == m for r in summary)]
+    metrics = [m for m in (*TIME_METRICS, *SAVED_BYTES_METRICS) if any(r["metric"] == m for r in summary)]
     if not metrics:
         return None
     import matplotlib

@@ -289,6 +289,40 @@ def test_saved_bytes_leave_the_weights_out_and_the_wide_layout_saves_the_counted
     assert saved["qk_map_wide", 8] - saved["qk_map_wide_recompute", 8] == 4 * (z + 8 * 64)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_distinct_storages_of_the_wide_layout_are_standards_plus_what_the_kernel_keeps() -> None:
+    """The wide layout's default (projections recomputed, ``o_proj`` keeping a view of the kernel's padded output)
+    grows its distinct storages with T by exactly the kernel's extra; the rest is per call, not per position, and
+    less than the map's parameters. So its distinct-storage ratio sits on the floor ``with_activation_floors`` gives
+    it, at T = 16 already within 0.1 %."""
+    from attention_overhead import build, saved_activation_bytes
+
+    wide = "qk_map_wide_recompute"
+
+    size = shape_grid.shape_size(16, 4, 4, 1)
+    models = {variant: build(variant, "cpu", torch.float32, "sdpa", size) for variant in ("standard", wide)}
+    distinct = {
+        (variant, T): saved_activation_bytes(model, torch.randint(0, 4096, (1, T)))[1]
+        for variant, model in models.items()
+        for T in (8, 16)
+    }
+    config = models[wide].config
+    above = {
+        T: distinct[wide, T] - distinct["standard", T] - 4 * shape_grid.kernel_saved_extra_elements(config, T)
+        for T in (8, 16)
+    }
+    map_bytes = 4 * sum(p.numel() for name, p in models[wide].named_parameters() if ".qk_map." in name)
+    assert above[8] == above[16] and 0 <= above[8] < map_bytes
+    summary = [
+        dict(metric="distinct_activation_bytes", variant=variant, seq_len=16, median=distinct[variant, 16])
+        for variant in models
+    ]
+    floor = shape_grid.with_activation_floors(summary, size, "sdpa", 1, "float32")[1]["floor_ratio"]
+    measured = distinct[wide, 16] / distinct["standard", 16]
+    assert measured == pytest.approx(floor + above[16] / distinct["standard", 16], rel=1e-12)
+    assert 0 <= measured - floor < 1e-3
+
+
 @pytest.mark.slow  # spawns a process (~7 s of imports)
 def test_parts_counted_with_the_weights_get_their_saved_bytes_again_and_keep_their_timings(tmp_path) -> None:
     args = tiny_grid_args(tmp_path)

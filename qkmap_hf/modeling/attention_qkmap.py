@@ -20,7 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .configuration_qkmap import QKMapConfig
-from .construction_qkmap import QKMapFeatureMap, QKMapInputRMSNorm, qkmap_native_frequencies
+from .construction_qkmap import QKMapFeatureMap, QKMapInputRMSNorm, is_plain_linear, qkmap_native_frequencies
 from .qk_registry import constructions_for, position_construction
 
 # Kernels that want queries, keys and values of one width. Values are zero-padded to the key width and
@@ -114,8 +114,21 @@ class QKMapAttention(nn.Module):
         # Kernels return (..., heads, width) or, in vLLM, (tokens, heads * width): split off the heads, keep the
         # values' head_dim of each (the rest is the zero padding of the values, if any).
         attn_output = attn_output.reshape(*input_shape, -1, attn_output.shape[-1] // self.num_heads_out(attn_output))
-        attn_output = attn_output[..., : self.head_dim].reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        heads = attn_output[..., : self.head_dim]
+        if heads.shape[-1] < attn_output.shape[-1] and self.projects_padded_output(implementation, heads):
+            return padded_output_projection(heads, self.o_proj.weight, self.o_proj.bias), attn_weights
+        return self.o_proj(heads.reshape(*input_shape, -1).contiguous()), attn_weights
+
+    def projects_padded_output(self, implementation: str, heads: torch.Tensor) -> bool:
+        """Whether ``o_proj`` of the kernel's padded output runs as ``PaddedOutputProjection``: where sdpa's fused
+        kernels keep that output for their own backward pass, i.e. gradients flow into the kernel (``heads``
+        requires grad) and no dropout (with it sdpa takes its math path, which keeps no output), and a plain
+        ``o_proj`` (``is_plain_linear``). Elsewhere the view would keep the wider output alive for nothing."""
+        if implementation != "sdpa" or not (torch.is_grad_enabled() and heads.requires_grad):
+            return False
+        if self.training and self.attention_dropout > 0:
+            return False
+        return is_plain_linear(self.o_proj, heads)
 
     def num_heads_out(self, attn_output: torch.Tensor) -> int:
         """Heads in a kernel's output: the last dim holds one head (``(..., heads, width)``) unless it holds all of
@@ -153,6 +166,42 @@ class QKMapAttention(nn.Module):
                 "attn_implementation='sdpa' or a smaller qkmap_input_dim (e.g. head_dim // (2 * F))."
             )
         return self.pad_values_to_key_width(value_states)
+
+
+class PaddedOutputProjection(torch.autograd.Function):
+    """``o_proj`` of the heads' outputs when they are views into the kernel's wider, padded output.
+
+    With values padded to the key width, each head's output is the first ``head_dim`` columns of the kernel's
+    output. The plain path copies them into a contiguous ``(batch, seq, heads * head_dim)`` tensor, and ``o_proj``
+    keeps that copy for its weight's gradient: a second activation of the layer's width next to the padded output
+    that the fused kernel keeps anyway. This node keeps the view instead (no storage of its own) and makes the copy
+    again in the backward pass. Values are the plain path's bit for bit; gradients the same matmuls.
+    """
+
+    @staticmethod
+    def forward(heads: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(heads.reshape(*heads.shape[:-2], -1), weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        heads, weight, _ = inputs
+        ctx.save_for_backward(heads, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        heads, weight = ctx.saved_tensors
+        need_heads, need_weight, need_bias = ctx.needs_input_grad
+        rows = grad_output.reshape(-1, weight.shape[0])
+        grad_heads = grad_output.matmul(weight).view(heads.shape) if need_heads else None
+        grad_weight = rows.t().mm(heads.reshape(rows.shape[0], -1)) if need_weight else None
+        grad_bias = rows.sum(dim=0) if need_bias else None
+        return grad_heads, grad_weight, grad_bias
+
+
+def padded_output_projection(heads: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(heads.reshape(..., -1), weight, bias)`` keeping ``heads`` (a strided view) for the backward pass
+    instead of its contiguous copy (``PaddedOutputProjection``)."""
+    return PaddedOutputProjection.apply(heads, weight, bias)
 
 
 _UPDATE_TAKES_KWARGS: dict[type, bool] = {}
@@ -213,11 +262,13 @@ def single_query_attention(
 __all__ = [
     "FLASH_MAX_HEAD_DIM",
     "PAD_VALUES_FOR_IMPLEMENTATIONS",
+    "PaddedOutputProjection",
     "QKMapAttention",
     "QKMapFeatureMap",
     "QKMapInputRMSNorm",
     "qkmap_native_frequencies",
     "is_paged_cache",
+    "padded_output_projection",
     "single_query_attention",
     "update_cache",
 ]

@@ -38,6 +38,18 @@ def qkmap_native_frequencies(config: Any) -> torch.Tensor:
     return grid.unsqueeze(0).expand(config.num_key_value_heads, -1, -1).float()
 
 
+def is_plain_linear(module: nn.Module, inputs: torch.Tensor) -> bool:
+    """Whether ``module`` is a plain ``nn.Linear`` without hooks in ``inputs``' dtype, outside autocast: what a node
+    that calls ``F.linear`` with its weight in place of the module computes the same. A peft adapter, a quantized
+    layer, a hook or autocast keeps the module's own call."""
+    return (
+        type(module) is nn.Linear
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and module.weight.dtype == inputs.dtype
+        and not torch.is_autocast_enabled(inputs.device.type)
+    )
+
+
 class QKMapFeatureMap(nn.Module):
     """Frequencies and gains of one attention layer, owned by the key/value heads.
 
@@ -124,16 +136,11 @@ class QKMapFeatureMap(nn.Module):
             return False
         if self.gradient_checkpointing and self.training:  # the layer keeps only its input: nothing left to save
             return False
-        if self.cos_blocks.name != "phase" or torch.is_autocast_enabled(hidden_states.device.type):
+        if self.cos_blocks.name != "phase":
             return False
         if self._forward_hooks or self._forward_pre_hooks:
             return False
-        return all(
-            type(p) is nn.Linear
-            and not (p._forward_hooks or p._forward_pre_hooks)
-            and p.weight.dtype == hidden_states.dtype
-            for p in (q_proj, k_proj)
-        )
+        return all(is_plain_linear(p, hidden_states) for p in (q_proj, k_proj))
 
     @staticmethod
     def parameters_are_constant(query: torch.Tensor) -> bool:
