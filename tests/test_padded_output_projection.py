@@ -10,7 +10,7 @@ import torch
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM
 from qkmap_hf.modeling.attention_qkmap import PaddedOutputProjection
-from tests.utils import TINY, tiny_config_kwargs
+from tests.utils import TINY, assert_same_loss_and_gradients, tiny_config_kwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from attention_overhead import saved_activation_bytes  # noqa: E402
@@ -61,17 +61,8 @@ def test_same_loss_bit_for_bit_and_the_same_gradients():
     tokens = ids()
     assert output_node(model, tokens) == NODE
     assert output_node(plain, tokens) != NODE
-    losses = []
-    for each in (plain, model):
-        loss = each(tokens, labels=tokens).loss
-        loss.backward()
-        losses.append(loss)
-    assert torch.equal(losses[0], losses[1])
-    compared = 0
-    for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
-        assert (a.grad - b.grad).abs().max() <= 1e-6 * (1 + a.grad.abs().max()), name
-        compared += "o_proj" in name
-    assert compared == 2 * model.config.num_hidden_layers  # weight and bias per layer
+    names = assert_same_loss_and_gradients(plain, model, tokens, tolerance=1e-6)
+    assert sum("o_proj" in name for name in names) == 2 * model.config.num_hidden_layers  # weight and bias
 
 
 def test_keeps_one_activation_of_the_layer_width_less_per_layer():

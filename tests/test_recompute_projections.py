@@ -10,7 +10,7 @@ import torch
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM
 from qkmap_hf.phases import PhaseRecorder
-from tests.utils import TINY, tiny_config_kwargs
+from tests.utils import TINY, assert_same_loss_and_gradients, tiny_config_kwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from attention_overhead import saved_activation_bytes  # noqa: E402
@@ -56,19 +56,11 @@ def mapped_query_node(model: QKMapForCausalLM, tokens: torch.Tensor) -> str:
     return captured["node"]
 
 
-def assert_same_loss_and_gradients(plain: QKMapForCausalLM, fused: QKMapForCausalLM, tokens: torch.Tensor) -> None:
-    """One training step of each: the loss bit for bit, every gradient up to the order of float sums."""
-    losses = []
-    for model in (plain, fused):
-        loss = model(tokens, labels=tokens).loss
-        loss.backward()
-        losses.append(loss)
-    assert torch.equal(losses[0], losses[1])
-    compared = 0
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
-        assert (a.grad - b.grad).abs().max() <= 1e-5 * (1 + a.grad.abs().max()), name
-        compared += "q_proj" in name or "k_proj" in name or "qk_map" in name
-    assert compared == 7 * plain.config.num_hidden_layers  # q/k weights and biases, omega, two gains per layer
+def assert_fused_matches_plain(plain: QKMapForCausalLM, fused: QKMapForCausalLM, tokens: torch.Tensor) -> None:
+    """The loss bit for bit, every gradient up to the order of float sums, the node's parameters among them."""
+    names = assert_same_loss_and_gradients(plain, fused, tokens, tolerance=1e-5)
+    touched = [name for name in names if "q_proj" in name or "k_proj" in name or "qk_map" in name]
+    assert len(touched) == 7 * plain.config.num_hidden_layers  # q/k weights and biases, omega, two gains per layer
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(qkmap_num_frequencies=2, qkmap_input_dim=8)], ids=["wide", "F2-m8"])
@@ -77,7 +69,7 @@ def test_same_loss_bit_for_bit_and_the_same_gradients(overrides):
     tokens = ids()
     assert mapped_query_node(fused, tokens) == FUSED_NODE
     assert mapped_query_node(plain, tokens) == "QKMapQueryKeyFunctionBackward"
-    assert_same_loss_and_gradients(plain, fused, tokens)
+    assert_fused_matches_plain(plain, fused, tokens)
 
 
 def test_keeps_fewer_bytes_by_the_layer_input_and_the_projections():
@@ -165,7 +157,7 @@ def test_gradient_checkpointing_keeps_the_plain_path_with_the_same_loss_and_grad
     fused.train()
     assert fused.model.layers[0].self_attn.qk_map.gradient_checkpointing
     assert mapped_query_node(fused, tokens) == "QKMapQueryKeyFunctionBackward"
-    assert_same_loss_and_gradients(plain, fused, tokens)
+    assert_fused_matches_plain(plain, fused, tokens)
     getattr(fused, "activation_checkpointing_disable", fused.gradient_checkpointing_disable)()
     assert mapped_query_node(fused, tokens) == FUSED_NODE
 

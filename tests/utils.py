@@ -84,3 +84,20 @@ def tiny_llama_converted_exactly(root: Path, *, initializer_range: float, num_fr
     qkmap_hf.convert_checkpoint(root / "src", root / "conv", init="exact", num_frequencies=num_frequencies,
                                 progress=False)  # fmt: skip
     return {"src": root / "src", "conv": root / "conv"}
+
+
+def assert_same_loss_and_gradients(reference, other, tokens: torch.Tensor, tolerance: float) -> list[str]:
+    """One training step of each model (equal weights): the loss bit for bit, every parameter's gradient within
+    ``tolerance`` relative to its largest entry. Returns the parameter names compared, for the caller to check
+    that the ones its path touches are among them."""
+    losses = []
+    for model in (reference, other):
+        loss = model(tokens, labels=tokens).loss
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    names = []
+    for (name, a), b in zip(reference.named_parameters(), other.parameters(), strict=True):
+        assert (a.grad - b.grad).abs().max() <= tolerance * (1 + a.grad.abs().max()), name
+        names.append(name)
+    return names
