@@ -22,9 +22,6 @@ from .eval_utils import cached_models, run_command, single_thread
 _one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 SCALES = ("0.5", "2", "4")
 PNG = b"\x89PNG\r\n\x1a\n"
-# The tests that read the module's one `qkmap analyze` run of three models (~7 s on 2 cores) run in the full suite:
-# the fast tier (`-m "not slow"`) has a 90 s budget.
-ANALYZE_RUN = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +57,7 @@ def analysis(tmp_path_factory):
     }
 
 
-@ANALYZE_RUN
+@pytest.mark.slow  # reads the module's one `qkmap analyze` run of three models (~7 s)
 def test_json_has_three_analyses_per_model(analysis):
     data = analysis["data"]
     assert data["format"] == "qkmap-analysis/1"
@@ -84,7 +81,7 @@ def test_json_has_three_analyses_per_model(analysis):
     assert analysis["by_mode"]["standard"]["phase"] is None and analysis["by_mode"]["qk_norm"]["phase"] is None
 
 
-@ANALYZE_RUN
+@pytest.mark.slow  # reads the module's one `qkmap analyze` run of three models (~7 s)
 def test_every_entry_reads_back_as_typed_results(analysis):
     """The readers (card, claim tables, summary line, plots) go through ModelDiagnostics: nothing is lost on the way."""
     from qkmap_hf.diagnostics import ModelDiagnostics
@@ -95,7 +92,7 @@ def test_every_entry_reads_back_as_typed_results(analysis):
         assert (typed.phase is None) == (model["qk_mode"] != "qk_map")
 
 
-@ANALYZE_RUN
+@pytest.mark.slow  # reads the module's one `qkmap analyze` run of three models (~7 s)
 def test_qk_norm_is_scale_invariant_and_qk_map_is_not(analysis):
     by_mode = analysis["by_mode"]
     for scale in SCALES:
@@ -107,7 +104,7 @@ def test_qk_norm_is_scale_invariant_and_qk_map_is_not(analysis):
     assert qk_map["4"] > qk_map["2"]
 
 
-@ANALYZE_RUN
+@pytest.mark.slow  # reads the module's one `qkmap analyze` run of three models (~7 s)
 def test_standard_scale_sensitivity_matches_logit_scaling(analysis):
     """Standard attention at scale s is softmax(s**2 * logits): recompute layer 0 from the unscaled attention."""
     path = analysis["models"]["standard"]
@@ -130,7 +127,7 @@ def test_standard_scale_sensitivity_matches_logit_scaling(analysis):
         assert got == pytest.approx(want, abs=1e-6)
 
 
-@ANALYZE_RUN
+@pytest.mark.slow  # reads the module's one `qkmap analyze` run of three models (~7 s)
 def test_plots_written(analysis):
     out, data = analysis["out"], analysis["data"]
     for model in data["models"]:
@@ -145,7 +142,7 @@ def test_plots_written(analysis):
     assert not list(out.rglob("*.tmp.png")) and not list(out.glob(".analysis.json.*"))
 
 
-@ANALYZE_RUN
+@pytest.mark.slow  # reads the module's one `qkmap analyze` run of three models (~7 s)
 def test_llama_source_model(analysis):
     """A plain LlamaForCausalLM (a conversion source) goes through the same analyses."""
     tokenizer = AutoTokenizer.from_pretrained(analysis["models"]["tokenizer"])
@@ -163,7 +160,7 @@ def test_llama_source_model(analysis):
         analyze_model(model, tokenizer, "too short", settings, progress=False)
 
 
-@ANALYZE_RUN
+@pytest.mark.slow  # reads the module's one `qkmap analyze` run of three models (~7 s)
 def test_summary_line_reports_every_measure_from_the_json(analysis):
     from qkmap_hf.commands.analyze import summary_line
 

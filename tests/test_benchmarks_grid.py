@@ -298,7 +298,6 @@ def test_distinct_storages_of_the_wide_layout_are_standards_plus_what_the_kernel
     from attention_overhead import build, saved_activation_bytes
 
     wide = "qk_map_wide_recompute"
-
     size = shape_grid.shape_size(16, 4, 4, 1)
     models = {variant: build(variant, "cpu", torch.float32, "sdpa", size) for variant in ("standard", wide)}
     distinct = {
