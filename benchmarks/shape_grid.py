@@ -95,7 +95,21 @@ SUMMARY_FIELDS = (
     "floor_ratio",
     "memory_floor_ratio",
     "kernel_floor_ratio",
+    "reference",
 )
+# The variant the floors and targets are defined against; ``--reference`` may name another (no floors then).
+STANDARD = "standard"
+
+
+def reference_of(row: dict) -> str:
+    """The variant a summary row's ratio is against: its ``reference`` column, standard for rows written before
+    there was one."""
+    return row.get("reference") or STANDARD
+
+
+def measured_variants(variants: list[str], reference: str) -> list[str]:
+    """The variants a run measures: the reference first (every ratio is against it), then the others once."""
+    return [reference, *[v for v in variants if v != reference]]
 
 
 def shape_size(head_dim: int, heads: int, kv_ratio: int, layers: int) -> dict:
@@ -175,7 +189,7 @@ def matmul_flop_parts(config, seq_len: int, phase: str, attn: str = "sdpa") -> t
 
 def over_standard(size: dict, variant: str, count) -> float:
     """``count(config)`` of the variant's config at ``size`` over standard's: every counted floor's ratio."""
-    return count(variant_config(variant, size)) / count(variant_config("standard", size))
+    return count(variant_config(variant, size)) / count(variant_config(STANDARD, size))
 
 
 def floor_ratio(size: dict, variant: str, metric: str, seq_len: int, attn: str = "sdpa") -> float | None:
@@ -200,7 +214,7 @@ def kernel_floor_ratio(
     for row in raw:
         if int(row["seq_len"]) == seq_len and row["metric"] in ("train_tokens_per_s", "attention_kernel_ms"):
             series[(row["variant"], row["metric"])][row["repeat"]] = row["value"]
-    step, kernel = series[("standard", "train_tokens_per_s")], series[("standard", "attention_kernel_ms")]
+    step, kernel = series[(STANDARD, "train_tokens_per_s")], series[(STANDARD, "attention_kernel_ms")]
     variant_kernel = series[(variant, "attention_kernel_ms")]
     repeats = sorted(set(step) & set(kernel) & set(variant_kernel))
     if not repeats:
@@ -264,7 +278,9 @@ def with_floors(row: dict, size: dict, attn: str = "sdpa") -> dict:
     cache at batch 1)."""
     metric, variant, seq_len = row["metric"], row["variant"], int(row["seq_len"])
     cache, batch = row.get("decode_cache") or "dynamic", int(row.get("batch") or 1)
-    if metric not in TIME_METRICS:  # byte rows keep theirs: the saved-bytes floor needs standard's measured bytes
+    # Byte rows keep theirs (the saved-bytes floor needs standard's measured bytes); rows against another reference
+    # have none (every floor is a count against standard).
+    if metric not in TIME_METRICS or reference_of(row) != STANDARD:
         return {**row, "decode_cache": cache, "batch": batch}
     return {
         **row,
@@ -314,7 +330,9 @@ def with_activation_floors(summary: list[dict], size: dict, attn: str, batch: in
     """The rows of one case with the saved-bytes floor on its saved-bytes rows, every save counted and distinct
     storages, each from standard's row of the same count: the kernel's extra storages are distinct ones too."""
     base = {
-        r["metric"]: r["median"] for r in summary if r["metric"] in SAVED_BYTES_METRICS and r["variant"] == "standard"
+        r["metric"]: r["median"]
+        for r in summary
+        if r["metric"] in SAVED_BYTES_METRICS and r["variant"] == STANDARD == reference_of(r)
     }
     return [
         {
@@ -332,7 +350,7 @@ def with_activation_floors(summary: list[dict], size: dict, attn: str, batch: in
 def expected_kv_ratio(size: dict, variant: str) -> float:
     """KV bytes per token against standard from the config: keys cached after the feature map (query_key_dim
     wide), values head_dim wide."""
-    config, base = variant_config(variant, size), variant_config("standard", size)
+    config, base = variant_config(variant, size), variant_config(STANDARD, size)
     return (config.query_key_dim + config.head_dim) / (base.query_key_dim + base.head_dim)
 
 
@@ -391,14 +409,14 @@ def measure_shape(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
 def case_summary(args: argparse.Namespace, size: dict, seq_len: int, raw: list[dict]) -> list[dict]:
     """Summary rows of one (shape, T) from its raw rows: ratios of the table's metrics, with the case's fields and
     time floors (saved-bytes floors need the whole case: ``with_activation_floors``)."""
-    fields = shape_fields(size) | {"decode_cache": args.decode_cache, "batch": args.batch}
+    fields = shape_fields(size) | {"decode_cache": args.decode_cache, "batch": args.batch, "reference": args.reference}
     rows = [
         with_floors({**fields, **row, "seq_len": seq_len}, size, args.attn)
-        for row in ratios(raw)
+        for row in ratios(raw, args.reference)
         if row["metric"] in COLUMNS  # not the prefill cache's bytes: replaced by generate's, per token
     ]
     for row in rows:
-        if row["metric"] == "train_tokens_per_s" and row["variant"] != "standard":
+        if row["metric"] == "train_tokens_per_s" and row["variant"] != STANDARD == args.reference:
             floor = kernel_floor_ratio(size, row["variant"], seq_len, raw, args.attn, args.batch)
             if floor is not None:
                 row["kernel_floor_ratio"] = floor
@@ -438,7 +456,7 @@ def measure_kv(args: argparse.Namespace, size: dict) -> list[dict]:
     rows = []
     for variant, by_cache in per_variant.items():
         for implementation, value in by_cache.items():
-            ratio = value / per_variant["standard"][implementation]
+            ratio = value / per_variant[args.reference][implementation]
             rows.append(
                 {
                     **shape_fields(size),
@@ -449,7 +467,8 @@ def measure_kv(args: argparse.Namespace, size: dict) -> list[dict]:
                     "cost_ratio": ratio,
                     "ratio_min": ratio,
                     "ratio_max": ratio,
-                    "floor_ratio": expected_kv_ratio(size, variant),
+                    "floor_ratio": expected_kv_ratio(size, variant) if args.reference == STANDARD else None,
+                    "reference": args.reference,
                 }
             )
     return rows
@@ -489,7 +508,8 @@ def settings_added_later(args: argparse.Namespace) -> dict:
     training the dropped warm-up repeat (earlier ones lack it and are remeasured) and the saved-bytes count."""
     cache = {} if args.decode_cache == "dynamic" else {"decode_cache": args.decode_cache}
     kernel = {"kernel_time": True} if args.kernel_time and args.train else {}
-    return cache | kernel | ({"warmup_repeats": WARMUP_REPEATS} | SAVED_BYTES_COUNT if args.train else {})
+    reference = {} if args.reference == STANDARD else {"reference": args.reference}
+    return cache | kernel | reference | ({"warmup_repeats": WARMUP_REPEATS} | SAVED_BYTES_COUNT if args.train else {})
 
 
 def part_path(args: argparse.Namespace, size: dict, seq_len: int) -> Path:
@@ -557,11 +577,11 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dic
 
 
 def worst_shapes(summary: list[dict]) -> dict[tuple[str, str], dict]:
-    """Per (metric, variant) other than standard, the row (shape and T) with the highest cost ratio."""
+    """Per (metric, variant) other than the reference, the row (shape and T) with the highest cost ratio."""
     worst: dict[tuple[str, str], dict] = {}
     for row in summary:
         key = (row["metric"], row["variant"])
-        if row["variant"] != "standard" and (key not in worst or row["cost_ratio"] > worst[key]["cost_ratio"]):
+        if row["variant"] != reference_of(row) and (key not in worst or row["cost_ratio"] > worst[key]["cost_ratio"]):
             worst[key] = row
     return worst
 
@@ -569,7 +589,9 @@ def worst_shapes(summary: list[dict]) -> dict[tuple[str, str], dict]:
 def format_cell(row: dict) -> str:
     """``ratio [min-max] vs floor f`` for times (``/ memory m`` for decode), ``value (ratio)`` for bytes."""
     if row["metric"].startswith("kv_bytes"):
-        return f"{row['median']:.0f} ({row['cost_ratio']:.3f}x, expected {row['floor_ratio']:.3f}x)"
+        expected = row.get("floor_ratio")
+        expected_text = f", expected {expected:.3f}x" if isinstance(expected, float) else ""
+        return f"{row['median']:.0f} ({row['cost_ratio']:.3f}x{expected_text})"
     if row["metric"] in BYTE_METRICS:
         floor = row.get("floor_ratio")
         floor_text = f", floor {floor:.3f}" if isinstance(floor, float) else ""
@@ -584,12 +606,13 @@ def format_cell(row: dict) -> str:
 
 
 def markdown(summary: list[dict], run_column: bool = False) -> str:
-    """One row per (run, shape, T, variant), one column per metric present; standard's rows are left out (every
-    ratio is 1; its KV bytes per token are each cell's value divided by the ratio)."""
+    """One row per (run, shape, T, variant), one column per metric present; the reference's rows (standard's, unless
+    the run named another) are left out (every ratio is 1; its KV bytes per token are each cell's value divided by the
+    ratio)."""
     metrics = [m for m in COLUMNS if any(r["metric"] == m for r in summary)]
     keyed: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for row in summary:
-        if row["variant"] != "standard":
+        if row["variant"] != reference_of(row):
             key = (row.get("run", ""), row["shape"], row["seq_len"], row["variant"])
             keyed[key][row["metric"]] = row
     head = (["run"] if run_column else []) + ["shape", "T", "variant"] + [COLUMNS[m] for m in metrics]
@@ -618,8 +641,12 @@ def plot(summary: list[dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(len(metrics), 1, figsize=(max(6, 0.5 * len(cases) + 3), 2.6 * len(metrics)), squeeze=False)
     for ax, metric in zip(axes[:, 0], metrics, strict=True):
         for variant in VARIANTS:
-            rows = {(r["shape"], r["seq_len"]): r for r in summary if r["metric"] == metric and r["variant"] == variant}
-            if variant == "standard" or not rows:
+            rows = {
+                (r["shape"], r["seq_len"]): r
+                for r in summary
+                if r["metric"] == metric and r["variant"] == variant != reference_of(r)
+            }
+            if not rows:
                 continue
             xs = [i for i, case in enumerate(cases) if case in rows]
             ys = [rows[cases[i]]["cost_ratio"] for i in xs]
@@ -636,7 +663,7 @@ def plot(summary: list[dict], path: Path) -> Path | None:
             if all(isinstance(f, float) for f in kernel):
                 ax.plot(xs, kernel, ls="-.", color=line[0].get_color(), alpha=0.8, label=f"{variant} kernel floor")
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_ylabel("ratio vs standard")
+        ax.set_ylabel(f"ratio vs {' / '.join(sorted({reference_of(r) for r in summary}))}")
         ax.set_title(COLUMNS[metric])
         ax.set_xticks(range(len(cases)), labels, rotation=60, ha="right", fontsize=7)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -710,7 +737,7 @@ def target_table(summary: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for (variant, metric), target in TARGETS.items():
-        rows = [r for r in summary if r["variant"] == variant and r["metric"] == metric]
+        rows = [r for r in summary if r["variant"] == variant and r["metric"] == metric and reference_of(r) == STANDARD]
         if not rows:
             continue
         statuses = [target_status(r, target) for r in rows]
@@ -766,7 +793,9 @@ def versus_rows(label: str, directory: Path, reference: str) -> list[dict]:
             continue
         shape = shape_fields(size_of_row(raw[0]))
         paired = ratios([row for row in raw if row["metric"] in COLUMNS], reference)
-        rows += [{**shape, **row, "run": label} for row in paired if row["variant"] != reference]
+        rows += [
+            {**shape, **row, "run": label, "reference": reference} for row in paired if row["variant"] != reference
+        ]
     return rows
 
 
@@ -824,6 +853,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-new-tokens", type=int, default=16, help="tokens generate() adds before the cache is read")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
+    p.add_argument(
+        "--reference", choices=list(VARIANTS), default=STANDARD,
+        help="the variant every ratio is against, always measured (default standard: floors and targets are defined "
+        "against it, so another reference gives none). Two layouts timed against each other where three models "
+        "do not fit in memory: --variants qk_map_wide qk_map_wide_recompute --reference qk_map_wide",
+    )  # fmt: skip
     p.add_argument("--profile-worst", action="store_true", help="profile the worst shape of each time metric")
     p.add_argument("--profile-rows", type=int, default=15)
     p.add_argument(
@@ -869,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot and plot(rows, args.plot):
             print(f"plot: {args.plot}")
         return 0
-    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
+    args.variants = measured_variants(args.variants, args.reference)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -884,21 +919,24 @@ def main(argv: list[str] | None = None) -> int:
     for name in skipped:
         print(f"skipped: {name}")
     print(markdown(summary))
-    targets = target_table(summary)
-    atomic_write_text(args.output_dir / "shape_grid_targets.md", targets + "\n")
-    print("\nissue 23 targets, every case above:\n" + targets)
+    if args.reference == STANDARD:  # the targets are ratios to standard
+        targets = target_table(summary)
+        atomic_write_text(args.output_dir / "shape_grid_targets.md", targets + "\n")
+        print("\nissue 23 targets, every case above:\n" + targets)
+    else:
+        print(f"\nratios against {args.reference}: no floors or targets (those are against standard)")
     print("\nworst shape per metric and variant (measured vs floor):")
     worst = worst_shapes(summary)
     for (metric, variant), row in sorted(worst.items(), key=lambda item: list(COLUMNS).index(item[0][0])):
         print(f"- {COLUMNS[metric]}, {variant}: {row['shape']} T={row['seq_len']}: {format_cell(row)}")
-    if args.profile_worst:  # per time metric, the worst QK-MAP layout's worst shape, and standard there
+    if args.profile_worst:  # per time metric, the worst QK-MAP layout's worst shape, and the reference there
         by_label = {shape_label(size): size for size in sizes}
         for metric in PROFILED_METRICS:
             rows = [r for (m, v), r in worst.items() if m == metric and v.startswith("qk_map")]
             if not rows:
                 continue
             row = max(rows, key=lambda r: r["cost_ratio"])
-            for variant in (row["variant"], "standard"):
+            for variant in (row["variant"], args.reference):
                 print(f"\n### profile, {COLUMNS[metric]}: {variant} at {row['shape']} T={row['seq_len']}")
                 print(profile_case(args, by_label[row["shape"]], variant, metric, int(row["seq_len"])))
     return 0

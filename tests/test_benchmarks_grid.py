@@ -33,7 +33,7 @@ def tiny_grid_args(output_dir: Path, *extra: str):
         + ["--repeats", "1", "--decode-tokens", "1", "--kv-prompt-len", "3", "--kv-new-tokens", "2"]
         + ["--variants", *shape_grid.VARIANTS, "--output-dir", str(output_dir), *extra]
     )
-    args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
+    args.variants = shape_grid.measured_variants(args.variants, args.reference)
     return args
 
 
@@ -542,3 +542,50 @@ def test_summarize_versus_pairs_two_layouts_per_repeat_from_the_parts(tmp_path, 
     assert shape_grid.main(["--summarize", f"tiny={tmp_path}", "--versus", "qk_map_wide"]) == 0
     printed = capsys.readouterr().out
     assert "ratios against qk_map_wide" in printed and "| tiny | d16 h4/kv1 L1 | 8 | qk_map_wide_recompute |" in printed
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_against_another_reference_measures_no_standard_and_gives_no_floors_or_targets(tmp_path, capsys) -> None:
+    """``--reference qk_map_wide``: two layouts timed against each other without standard (three models at hidden
+    2048 do not fit in memory). Ratios are paired per repeat against the reference; floors and targets, which are
+    counts against standard, are left out rather than put next to a ratio of another kind."""
+    flags = ["--in-process", "--repeats", "2", "--variants", "qk_map_wide_recompute", "--reference", "qk_map_wide"]
+    summary, raw, _, _ = run_tiny_grid(tmp_path, *flags)
+    assert {r["variant"] for r in raw} == {"qk_map_wide", "qk_map_wide_recompute"}
+    (part,) = (tmp_path / "parts").glob("*.json")
+    assert shape_grid.json.loads(part.read_text())["settings"]["reference"] == "qk_map_wide"
+
+    def values(variant, metric):
+        return [r["value"] for r in raw if r["variant"] == variant and r["metric"] == metric]
+
+    rows = {(r["variant"], r["metric"]): r for r in summary}
+    train = rows["qk_map_wide_recompute", "train_tokens_per_s"]
+    per_repeat = [
+        w / f
+        for w, f in zip(
+            values("qk_map_wide", "train_tokens_per_s"),
+            values("qk_map_wide_recompute", "train_tokens_per_s"),
+            strict=True,
+        )
+    ]
+    assert len(per_repeat) == 2 and train["cost_ratio"] == pytest.approx(sum(per_repeat) / 2, rel=1e-12)
+    assert rows["qk_map_wide", "train_tokens_per_s"]["cost_ratio"] == 1.0
+    saved = rows["qk_map_wide_recompute", "activation_bytes"]
+    wide_bytes, recompute_bytes = (
+        values("qk_map_wide", "activation_bytes"),
+        values("qk_map_wide_recompute", "activation_bytes"),
+    )
+    assert saved["cost_ratio"] == recompute_bytes[0] / wide_bytes[0] < 1  # z not kept
+    assert rows["qk_map_wide_recompute", "kv_bytes_per_token_dynamic"]["cost_ratio"] == 1.0  # the same cache
+    assert all(r.get("floor_ratio") is None and r.get("kernel_floor_ratio") is None for r in summary)
+    assert all(r["reference"] == "qk_map_wide" for r in summary)
+
+    path = tmp_path / "shape_grid_summary.csv"
+    shape_grid.write_csv(path, summary, shape_grid.SUMMARY_FIELDS)
+    assert shape_grid.main(["--summarize", f"pair={tmp_path}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"| pair | d16 h4/kv1 L1 | 8 | qk_map_wide_recompute | {shape_grid.format_cell(train)} |" in printed
+    assert "| pair | d16 h4/kv1 L1 | 8 | qk_map_wide |" not in printed  # the reference's own rows: all 1
+    assert "vs floor" not in printed and "| qk_map_wide_recompute | train step | <= 1.22x" not in printed
+    against_standard, _, _, _ = run_tiny_grid(tmp_path, "--in-process", "--variants", "qk_map_wide")
+    assert {r["variant"] for r in against_standard} == {"standard", "qk_map_wide"}  # the other part: measured anew
