@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qkmap_hf import QKMapConfig, QKMapForCausalLM, qkmap_features
+from qkmap_hf.modeling import feature_map_qkmap
 from qkmap_hf.modeling.feature_map_qkmap import (
     QKMapFeatureFunction,
     QKMapProjectedQueryKeyFunction,
@@ -67,6 +68,46 @@ def test_custom_backward_equals_autograd_of_the_written_out_formula(
     for name, a, b in zip(("z", "frequency", "gain"), got, want, strict=True):
         assert a.shape == b.shape, name
         assert (a - b).abs().max().item() < 1e-10 * (1 + b.abs().max().item()), name
+
+
+@pytest.mark.parametrize("rotate_cos_blocks", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,num_freq,freq_width", CASES)
+def test_one_rotation_call_for_both_rows_gives_the_bits_of_a_call_per_row(
+    monkeypatch, heads, kv_heads, num_freq, freq_width, rotate_cos_blocks
+):
+    inputs = random_inputs(heads, kv_heads, num_freq, freq_width, tables_need_grad=True)
+    weights = torch.randn(
+        (2, heads, 5, 2 * num_freq * 6), generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    results = {}
+    for merged_up_to in (10**9, 0):  # every row merged, then every row on its own
+        monkeypatch.setattr(feature_map_qkmap, "MERGED_ROTATION_MAX_ROW_NUMEL", merged_up_to)
+        features = qkmap_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
+        results[merged_up_to] = (features, *torch.autograd.grad((features * weights).sum(), inputs))
+    for name, merged, per_row in zip(
+        ("features", "z", "frequency", "gain", "cos", "sin"), *results.values(), strict=True
+    ):
+        assert torch.equal(merged, per_row), name
+
+
+@pytest.mark.parametrize("extra_positions,calls_expected", [(0, 1), (1, 2)])
+def test_rows_are_rotated_in_one_call_up_to_the_threshold_and_a_call_per_row_above(
+    monkeypatch, extra_positions, calls_expected
+):
+    heads, m = 2, 8
+    seq = feature_map_qkmap.MERGED_ROTATION_MAX_ROW_NUMEL // (heads * m) + extra_positions  # a row: heads x seq x m
+    rotated_shapes = []
+    rotate = feature_map_qkmap._rotate_into
+
+    def counting_rotate(out, *args):
+        rotated_shapes.append(tuple(out.shape))
+        rotate(out, *args)
+
+    monkeypatch.setattr(feature_map_qkmap, "_rotate_into", counting_rotate)
+    z, frequency, gain, cos, sin = (t.detach() for t in random_inputs(heads, heads, 1, m, m=m, seq=seq, batch=1))
+    qkmap_features(z, frequency, gain, cos, sin)
+    row = (1, seq, heads, 1, 1, m)  # (batch, seq, kv_heads, groups, F, m)
+    assert rotated_shapes == ([(2, *row)] if calls_expected == 1 else [row, row])
 
 
 @pytest.mark.parametrize("parametrization", ["absolute", "inverse_frequency"])

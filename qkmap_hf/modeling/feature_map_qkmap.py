@@ -52,13 +52,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _Layout:
-    """Views that broadcast to ``(batch, seq, kv_heads, groups, F, m)`` (one half: cos or sin) in the compute dtype.
+    """Views that broadcast to ``(batch, seq, kv_heads, groups, F, m)`` (one row of a block: cos or sin) in the
+    compute dtype.
 
     Token-major, like the projections the model feeds in (``q_proj(x).view(b, t, h, m).transpose(1, 2)``), so
-    every elementwise pass walks memory in order. cos and sin of the phases live in two contiguous buffers (a
-    strided ``cos_``/``sin_`` over interleaved slots took twice as long here); only the rotation writes the
-    interleaved ``(..., F, 2, m)`` feature rows. The output is handed back as a ``(batch, heads, seq, 2F*m)``
-    view, as Llama's RoPE output is.
+    every elementwise pass walks memory in order. cos and sin of the phases live in one buffer of two contiguous
+    halves, ``(2, batch, seq, kv_heads, groups, F, m)`` (``empty_trig``; a strided ``cos_``/``sin_`` over
+    interleaved slots took twice as long here), so one multiply applies both rows' gains and one rotation call
+    turns both rows: at hidden 128 each op's per-call and per-row cost, not its arithmetic, is most of the map's
+    time. Only the rotation writes the interleaved ``(..., F, 2, m)`` feature rows. The output is handed back as a
+    ``(batch, heads, seq, 2F*m)`` view, as Llama's RoPE output is.
     """
 
     def __init__(self, z: torch.Tensor, frequency: torch.Tensor, cos: torch.Tensor):
@@ -76,32 +79,40 @@ class _Layout:
         return _cast(frequency, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, self.freq_width)
 
     def gain_rows(self, gain: torch.Tensor) -> torch.Tensor:
-        """The gains as ``(1, 1, kv_heads, 1, F, 2, m)``: cos row, sin row per frequency block."""
-        return _cast(gain, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
-
-    def gain(self, gain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cos-row and sin-row gains, each ``(1, 1, kv_heads, 1, F, m)``."""
-        rows = self.gain_rows(gain)
-        return rows.select(-2, 0), rows.select(-2, 1)
+        """The gains as ``(2, 1, 1, kv_heads, 1, F, m)``, cos rows then sin rows, to broadcast against the trig."""
+        rows = _cast(gain, self.dtype).view(1, 1, self.kv_heads, 1, self.num_freq, 2, self.m)
+        return rows.movedim(-2, 0)
 
     def table(self, table: torch.Tensor) -> torch.Tensor:
         return _cast(table, self.dtype).view(self.table_batch, self.seq, 1, 1, 1, self.m)
 
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A ``(batch, heads, seq, 2F*m)`` tensor seen (no copy) as ``(batch, seq, kv_heads, groups, F, 2, m)``."""
+        """A ``(batch, heads, seq, 2F*m)`` tensor seen (no copy) as ``(2, batch, seq, kv_heads, groups, F, m)``: its
+        cos rows, then its sin rows."""
         rows = tensor.transpose(1, 2).unflatten(2, (self.kv_heads, self.groups))
-        return rows.unflatten(-1, (self.num_freq, 2, self.m))
+        return rows.unflatten(-1, (self.num_freq, 2, self.m)).movedim(-2, 0)
 
-    def empty_rows(self) -> torch.Tensor:
+    def empty_features(self) -> torch.Tensor:
+        """The interleaved feature rows ``(batch, seq, kv_heads, groups, F, 2, m)``, the kernel's layout."""
         return torch.empty(
             (self.batch, self.seq, self.kv_heads, self.groups, self.num_freq, 2, self.m),
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
 
-    def trig(self, z: torch.Tensor, frequency: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos(omega z)`` and ``sin(omega z)`` per frequency block, each ``(batch, seq, kv_heads, groups, F, m)``."""
-        phase = self.z(z) * self.frequency(frequency)
-        return phase.cos(), phase.sin_()
+    def empty_trig(self) -> torch.Tensor:
+        """``(2, batch, seq, kv_heads, groups, F, m)``: a contiguous half per row."""
+        shape = (2, self.batch, self.seq, self.kv_heads, self.groups, self.num_freq, self.m)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def trig(self, z: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+        """``cos(omega z)`` and ``sin(omega z)`` per frequency block, stacked as ``empty_trig``. The phases are
+        written into the sin half and turned in place: no buffer of their own."""
+        trig = self.empty_trig()
+        cosines, sines = trig
+        phase = torch.mul(self.z(z), self.frequency(frequency), out=sines)
+        torch.cos(phase, out=cosines)
+        phase.sin_()
+        return trig
 
     def output(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         width = 2 * self.num_freq * self.m
@@ -112,26 +123,34 @@ class _Layout:
         return tensor.reshape(self.batch, self.seq, self.heads, self.m).transpose(1, 2)
 
 
-def _rotate_rows_into(outputs, rows, table_cos, table_sin, rotate_cos_blocks: bool, adjoint: bool) -> None:
-    """RoPE (or its adjoint) of ``rows = (cos rows, sin rows)`` into ``outputs``; the cos rows only if asked."""
-    (cos_out, sin_out), (cos_rows, sin_rows) = outputs, rows
-    _rotate_into(sin_out, sin_rows, table_cos, table_sin, adjoint)
+# Rows up to this many elements are rotated in one call for both (cos and sin) rows, larger ones a row per call. One
+# call halves the per-op cost that dominates small rows (0.5x the time at 65,536 elements a row, 2 threads); on
+# larger rows it walks the two rows' halves of memory in alternation and ran up to 1.35x slower than a call per
+# row (benchmarks in docs/performance.md, "One rotation call for both rows").
+MERGED_ROTATION_MAX_ROW_NUMEL = 65_536
+
+
+def _rotate_rows_into(out, rows, table_cos, table_sin, rotate_cos_blocks: bool, adjoint: bool) -> None:
+    """RoPE (or its adjoint) of ``rows``, ``(2, ...)`` cos rows then sin rows, into ``out`` of the same shape; the sin
+    rows only (the cos rows copied) if the cos blocks are not rotated. Both rows in one call when they are small."""
+    if rotate_cos_blocks and rows[0].numel() <= MERGED_ROTATION_MAX_ROW_NUMEL:
+        _rotate_into(out, rows, table_cos, table_sin, adjoint)
+        return
+    _rotate_into(out[1], rows[1], table_cos, table_sin, adjoint)
     if rotate_cos_blocks:
-        _rotate_into(cos_out, cos_rows, table_cos, table_sin, adjoint)
+        _rotate_into(out[0], rows[0], table_cos, table_sin, adjoint)
     else:
-        cos_out.copy_(cos_rows)
+        out[0].copy_(rows[0])
 
 
 def _features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -> torch.Tensor:
     """The forward pass of ``phi`` (no autograd node): see ``qkmap_features``."""
     layout = _Layout(z, frequency, cos)
-    cosines, sines = layout.trig(z, frequency)
-    cos_gain, sin_gain = layout.gain(gain)
-    cosines.mul_(cos_gain)
-    sines.mul_(sin_gain)
-    features = layout.empty_rows()
-    slots = (features.select(-2, 0), features.select(-2, 1))
-    _rotate_rows_into(slots, (cosines, sines), layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False)
+    trig = layout.trig(z, frequency).mul_(layout.gain_rows(gain))
+    features = layout.empty_features()
+    _rotate_rows_into(
+        features.movedim(-2, 0), trig, layout.table(cos), layout.table(sin), rotate_cos_blocks, adjoint=False
+    )
     return layout.output(features, z.dtype)
 
 
@@ -146,14 +165,13 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
     layout = _Layout(z, frequency, cos)
     table_cos, table_sin = layout.table(cos), layout.table(sin)
     incoming = layout.rows(grad_output)
-    cosines, sines = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
-    cos_gain, sin_gain = layout.gain(gain)
+    trig = layout.trig(z, frequency)  # recomputed bit for bit as in the forward pass
+    gain_rows = layout.gain_rows(gain)
     grad_cos = grad_sin = None
     if need_cos or need_sin:  # out = u cos + rotate_half(u) sin on the rotated rows, u = gain * trig
         rotated = slice(None) if rotate_cos_blocks else slice(1, None)
-        features = torch.stack((cosines * cos_gain, sines * sin_gain), dim=-2)[..., rotated, :]
-        grad_rotated = incoming[..., rotated, :]
-        shape = table_cos.unsqueeze(-2).shape
+        features, grad_rotated = (trig * gain_rows)[rotated], incoming[rotated]
+        shape = (1, *table_cos.shape)
         if need_cos:
             grad_cos = (grad_rotated * features).sum_to_size(shape).view(cos.shape).to(cos.dtype)
         if need_sin:
@@ -162,24 +180,24 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
             grad_sin = (grad_rotated * half_turn).sum_to_size(shape).view(sin.shape).to(sin.dtype)
     # Through the rotation (orthogonal and linear): d features = R^T grad, read from sdpa's head-major gradient
     # and written token-major, cos rows and sin rows each into a contiguous half of one buffer.
-    grad = torch.empty((2, *cosines.shape), dtype=layout.dtype, device=layout.device)
-    grad_cos_rows, grad_sin_rows = grad[0], grad[1]
-    slots = (incoming.select(-2, 0), incoming.select(-2, 1))
-    _rotate_rows_into((grad_cos_rows, grad_sin_rows), slots, table_cos, table_sin, rotate_cos_blocks, adjoint=True)
+    grad = layout.empty_trig()
+    _rotate_rows_into(grad, incoming, table_cos, table_sin, rotate_cos_blocks, adjoint=True)
     grad_z = grad_frequency = grad_gain = None
-    # One scratch buffer for the products that are only summed: a fresh buffer per product costs a page fault per
-    # 4 KiB on first touch, several times the multiply itself (measured: 2.7 ms against 0.16 ms in place).
-    scratch = torch.empty_like(cosines) if need_gain or need_frequency else None
     if need_gain:
+        # One scratch row for the products that are only summed: a fresh buffer costs a page fault per 4 KiB on first
+        # touch, several times the multiply itself (measured: 2.7 ms against 0.16 ms in place).
+        scratch = torch.empty_like(trig[0])
         dims = (0, 1, 3)  # what the gains broadcast across: batch, positions, the query heads of a group
-        grad_cos_gain = torch.mul(grad_cos_rows, cosines, out=scratch).sum(dim=dims)
-        grad_sin_gain = torch.mul(grad_sin_rows, sines, out=scratch).sum(dim=dims)
-        grad_gain = torch.stack((grad_cos_gain, grad_sin_gain), dim=-2).view(gain.shape).to(gain.dtype)
+        products = [
+            torch.mul(row, trig_row, out=scratch).sum(dim=dims) for row, trig_row in zip(grad, trig, strict=True)
+        ]
+        grad_gain = torch.stack(products, dim=-2).view(gain.shape).to(gain.dtype)
     if need_z or need_frequency:
         # d/dphase of (a cos(phase), b sin(phase)) = (-a sin(phase), b cos(phase)).
-        grad_phase = grad_sin_rows.mul_(cosines).mul_(sin_gain).addcmul_(grad_cos_rows.mul_(sines), cos_gain, value=-1)
-        if need_frequency:
-            grad_frequency = torch.mul(grad_phase, layout.z(z), out=scratch)
+        (grad_cos_rows, grad_sin_rows), (cosines, sines) = grad.mul_(gain_rows), trig
+        grad_phase = grad_sin_rows.mul_(cosines).addcmul_(grad_cos_rows, sines, value=-1)
+        if need_frequency:  # the product is only summed: into the cos rows' half, free by now (no fresh buffer)
+            grad_frequency = torch.mul(grad_phase, layout.z(z), out=grad_cos_rows)
             grad_frequency = grad_frequency.sum_to_size(layout.frequency(frequency).shape)
             grad_frequency = grad_frequency.view(frequency.shape).to(frequency.dtype)
         if need_z:
