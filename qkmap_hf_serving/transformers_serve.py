@@ -5,11 +5,18 @@ only finds architectures built into transformers, so a remote-code folder fails 
 attribute QKMapForCausalLM`` even under ``--trust-remote-code``. This launcher loads the folder's own class (its
 remote code, as ``trust_remote_code=True`` does) and makes it reachable under that name, then runs transformers'
 own CLI with the arguments unchanged. Where transformers can already load it, nothing is added.
+
+From 5.25 transformers serve loads the model in a child process started with ``spawn``, which imports this module
+again (as ``__mp_main__``) before it loads: the folder travels in ``FOLDER_VARIABLE`` and the child exposes the
+architecture too, so both processes can name it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+FOLDER_VARIABLE = "QKMAP_SERVE_FOLDER"
 
 
 def expose_folder_architecture(folder: str) -> str | None:
@@ -42,11 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     expose_folder_architecture(argv[0])
+    os.environ[FOLDER_VARIABLE] = argv[0]  # for the model's spawned process (the module docstring says why)
     from transformers.cli.transformers import main as transformers_main
 
     sys.argv = ["transformers", "serve", *argv]
     return transformers_main() or 0
 
 
-if __name__ == "__main__":
+if __name__ == "__mp_main__" and os.environ.get(FOLDER_VARIABLE):
+    expose_folder_architecture(os.environ[FOLDER_VARIABLE])
+elif __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,25 +30,29 @@ def test_declared_range_matches_what_is_tested():
     assert Version(transformers.__version__) >= Version(OLDEST)
 
 
+def pinned_requirement(site: Path, package: str) -> str:
+    """The requirement for ``package`` that the transformers installed in ``site`` declares for itself."""
+    table = (site / "transformers" / "dependency_versions_table.py").read_text()
+    match = re.search(rf'"{re.escape(package)}": "([^"]+)"', table)
+    assert match, f"{site}/transformers/dependency_versions_table.py names no {package} requirement"
+    return match.group(1)
+
+
+def pip_install_into(target: Path, *requirements: str) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target), "--upgrade"]
+    subprocess.run([*command, *requirements], check=True)
+
+
 def oldest_transformers_site() -> Path:
+    """transformers OLDEST with the kernels release it pins: the newest kernels (which the main site holds for the
+    newest transformers) refuses the Hub kernel table of older releases at import."""
     target = cache_dir() / f"transformers-{OLDEST}-site"
-    if not (target / "transformers" / "__init__.py").exists():
+    if not all((target / package / "__init__.py").exists() for package in ("transformers", "kernels")):
         staging = target.with_name(target.name + ".partial")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--target",
-                str(staging),
-                "--upgrade",
-                f"transformers=={OLDEST}",
-                "huggingface-hub>=1.5,<2",
-            ],
-            check=True,
-        )
+        shutil.rmtree(staging, ignore_errors=True)
+        pip_install_into(staging, f"transformers=={OLDEST}", "huggingface-hub>=1.5,<2")
+        pip_install_into(staging, "--no-deps", pinned_requirement(staging, "kernels"))
+        shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     return target
 
