@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, for a machine with a CUDA GPU (run it where one is lent; it is not part of CI). Budget: <= 5 minutes.
+# GPU check, for a machine with a CUDA GPU (run it where one is lent; it is not part of CI). Budget: <= 6 minutes.
 #
 #   benchmarks/gpu_check.sh               # on the GPU: every step below; exit status 1 if any step failed or a
 #                                         # path is missing (flash_attn not installed counts: install it, or set
@@ -21,9 +21,12 @@
 #      floors (decode also its memory floor; training also the floor with the attention kernel's measured time,
 #      --kernel-time) and the KV-cache bytes per token after generate() (dynamic and static cache);
 #   5. the same grid's decoding with a StaticCache (--decode-cache static, the cache of generate(
-#      cache_implementation="static") and of compiled decoding): decode ratios, the cache written in place.
+#      cache_implementation="static") and of compiled decoding): decode ratios, the cache written in place;
+#   6. benchmarks/map_share.py on the same shapes: the training step without the feature map and the map's own
+#      sin/cos alone, against standard: what a fused feature-map kernel could save on this GPU at most.
 # It ends with the PASS/FAIL list and ONE Markdown table of every benchmark step's ratios (shape_grid.py
-# --summarize; also written to $OUT/summary_table.md), to paste into docs/performance.md.
+# --summarize; also written to $OUT/summary_table.md), to paste into docs/performance.md, and map_share.py's table
+# ($OUT/map_share/map_share_table.md).
 # The timeouts are caps, not measurements: this script has never run on a GPU (none was lent so far).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,8 +68,10 @@ if [[ $MODE == gpu ]]; then
     OTHER_SIZES=(--seq-lens 1024 --max-train-len 1024 --prefill-len 1024 --decode-tokens 16)
     GRID=(--head-dims 64 128 --heads 16 --kv-ratios 1 4 --layers 2 --seq-lens 2048 --batch 4 --repeats 3
           --decode-tokens 16 --variants standard qk_norm qk_map_compact qk_map_wide qk_map_wide_recompute)
-    # 295 s of step timeouts at most, plus start-up and the summary table (a few seconds): <= 5 minutes
-    T_TESTS=40 T_PATHS=45 T_SDPA=45 T_FLEX=40 T_FLASH=35 T_GRID=65 T_GRID_STATIC=25
+    MAP_SHARE=(--head-dims 64 128 --heads 16 --kv-ratios 1 4 --layers 2 --seq-lens 2048 --batch 4 --repeats 5
+               --in-process)
+    # 335 s of step timeouts at most, plus start-up and the summary tables (a few seconds): <= 6 minutes
+    T_TESTS=40 T_PATHS=45 T_SDPA=45 T_FLEX=40 T_FLASH=35 T_GRID=65 T_GRID_STATIC=25 T_MAP_SHARE=40
 else
     echo "CPU smoke: the GPU steps at tiny sizes on the CPU; flash-attention 2 needs CUDA and is not run"
     DEVICE=cpu DTYPE=float32
@@ -77,10 +82,11 @@ else
     GRID=(--head-dims 16 --heads 4 --kv-ratios 1 4 --layers 1 --seq-lens 32 --repeats 1 --decode-tokens 2
           --kv-prompt-len 4 --kv-new-tokens 2 --threads 1
           --variants standard qk_norm qk_map_compact qk_map_wide qk_map_wide_recompute)
-    T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120 T_GRID_STATIC=120  # caps; ~3 minutes
+    MAP_SHARE=(--head-dims 16 --heads 4 --kv-ratios 1 --layers 1 --seq-lens 32 --repeats 2 --threads 1 --in-process)
+    T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120 T_GRID_STATIC=120 T_MAP_SHARE=60  # caps
 fi
 
-rm -rf "$OUT"/bench_* "$OUT/grid" "$OUT/grid_static"  # the table at the end must not show an earlier run's CSVs
+rm -rf "$OUT"/bench_* "$OUT/grid" "$OUT/grid_static" "$OUT/map_share"  # the table at the end must not show an earlier run's CSVs
 step gpu_tests "$T_TESTS" env QKMAP_TEST_DEVICE="$DEVICE" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
 step kernel_paths "$T_PATHS" python3 benchmarks/kernel_paths.py --device "$DEVICE" --dtype "$DTYPE" --paths "${PATHS[@]}"
 for path in "${PATHS[@]}"; do
@@ -97,6 +103,8 @@ step grid "$T_GRID" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype 
     --kernel-time --output-dir "$OUT/grid"
 step grid_static "$T_GRID_STATIC" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype "$DTYPE" --attn sdpa \
     "${GRID[@]}" --no-train --decode-cache static --output-dir "$OUT/grid_static"
+step map_share "$T_MAP_SHARE" python3 benchmarks/map_share.py --device "$DEVICE" --dtype "$DTYPE" "${MAP_SHARE[@]}" \
+    --output-dir "$OUT/map_share"
 
 echo "=== summary ($MODE; logs and CSVs under $OUT)"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
@@ -106,4 +114,6 @@ echo "=== one table of every benchmark step (cost ratio vs standard, median [min
      "FLOPs, and for decode / memory: elements moved per token)"
 python3 benchmarks/shape_grid.py --summarize "${RUNS[@]}" "grid=$OUT/grid" "grid_static=$OUT/grid_static" \
     | tee "$OUT/summary_table.md"
+echo "=== the feature map's share of the training step (map_share.py: step, without the map, sin/cos alone)"
+cat "$OUT/map_share/map_share_table.md" 2>/dev/null || echo "(map_share did not finish: see $OUT/map_share.log)"
 [[ $FAILED -eq 0 ]] || { echo "gpu_check: FAILED (see above)" >&2; exit 1; }
