@@ -58,6 +58,15 @@ VARIANTS = {
         qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1, qkmap_recompute_projections=True
     ),
 }
+# Each layout with its feature map compiled (qkmap_compile_feature_map): the same model, one config field apart.
+COMPILED_SUFFIX = "_compiled"
+VARIANTS.update(
+    {
+        f"{name}{COMPILED_SUFFIX}": {**VARIANTS[name], "qkmap_compile_feature_map": True}
+        for name in list(VARIANTS)
+        if name.startswith("qk_map")
+    }  # fmt: skip
+)
 
 
 # What a run measures unless --variants says otherwise: the arms the records were measured with. The recomputing
@@ -70,7 +79,7 @@ def variant_fields(variant: str, size: dict | None = None) -> dict:
     (``head_dim // (2F)``, no attention width added), so one table of variants serves every shape."""
     size = MODEL_SIZE if size is None else size
     fields = dict(VARIANTS[variant])
-    if variant == "qk_map_compact":
+    if variant.removesuffix(COMPILED_SUFFIX) == "qk_map_compact":
         fields["qkmap_input_dim"] = size["head_dim"] // (2 * fields["qkmap_num_frequencies"])
     return fields
 

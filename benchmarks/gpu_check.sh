@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, for a machine with a CUDA GPU (run it where one is lent; it is not part of CI). Budget: <= 6 minutes.
+# GPU check, for a machine with a CUDA GPU (run it where one is lent; it is not part of CI). Budget: <= 7 minutes.
 #
 #   benchmarks/gpu_check.sh               # on the GPU: every step below; exit status 1 if any step failed or a
 #                                         # path is missing (flash_attn not installed counts: install it, or set
@@ -9,7 +9,8 @@
 # Steps, each under its own timeout, each reported PASS/FAIL in the summary at the end:
 #   1. tests/test_gpu.py on the device: bf16 against fp32 and the cache for every mode, the feature map's custom
 #      backward against the written-out formula, the wide layout's sdpa training step and decoding against eager,
-#      the parameter rows decoding keeps between tokens after a move to the device and an update there;
+#      the parameter rows decoding keeps between tokens after a move to the device and an update there, the
+#      compiled feature map (qkmap_compile_feature_map: Triton) against the eager one;
 #   2. benchmarks/kernel_paths.py: every kernel path of the wide layout (sdpa with padded values and
 #      single_query_attention decoding, flex_attention with unpadded values, flash-attention 2) against eager:
 #      forward, backward, greedy decoding; a missing path is a failure, named with the reason;
@@ -23,7 +24,9 @@
 #   5. the same grid's decoding with a StaticCache (--decode-cache static, the cache of generate(
 #      cache_implementation="static") and of compiled decoding): decode ratios, the cache written in place;
 #   6. benchmarks/map_share.py on the same shapes: the training step without the feature map and the map's own
-#      sin/cos alone, against standard: what a fused feature-map kernel could save on this GPU at most.
+#      sin/cos alone, against standard: what a fused feature-map kernel could save on this GPU at most;
+#   7. benchmarks/shape_grid.py on one of those shapes (d128 h16/kv4) with each layout's feature map compiled
+#      (qkmap_compile_feature_map) next to the eager one: what the fused map saves on this GPU.
 # It ends with the PASS/FAIL list and ONE Markdown table of every benchmark step's ratios (shape_grid.py
 # --summarize; also written to $OUT/summary_table.md), to paste into docs/performance.md, and map_share.py's table
 # ($OUT/map_share/map_share_table.md).
@@ -70,8 +73,11 @@ if [[ $MODE == gpu ]]; then
           --decode-tokens 16 --variants standard qk_norm qk_map_compact qk_map_wide qk_map_wide_recompute)
     MAP_SHARE=(--head-dims 64 128 --heads 16 --kv-ratios 1 4 --layers 2 --seq-lens 2048 --batch 4 --repeats 5
                --in-process)
-    # 335 s of step timeouts at most, plus start-up and the summary tables (a few seconds): <= 6 minutes
-    T_TESTS=40 T_PATHS=45 T_SDPA=45 T_FLEX=40 T_FLASH=35 T_GRID=65 T_GRID_STATIC=25 T_MAP_SHARE=40
+    COMPILED=(--head-dims 128 --heads 16 --kv-ratios 4 --layers 2 --seq-lens 2048 --batch 4 --repeats 3
+              --decode-tokens 4 --variants standard qk_map_compact qk_map_compact_compiled qk_map_wide
+              qk_map_wide_compiled)
+    # 405 s of step timeouts at most, plus start-up and the summary tables (a few seconds): <= 7 minutes
+    T_TESTS=60 T_PATHS=45 T_SDPA=45 T_FLEX=40 T_FLASH=35 T_GRID=65 T_GRID_STATIC=25 T_MAP_SHARE=40 T_COMPILED=50
 else
     echo "CPU smoke: the GPU steps at tiny sizes on the CPU; flash-attention 2 needs CUDA and is not run"
     DEVICE=cpu DTYPE=float32
@@ -83,10 +89,14 @@ else
           --kv-prompt-len 4 --kv-new-tokens 2 --threads 1
           --variants standard qk_norm qk_map_compact qk_map_wide qk_map_wide_recompute)
     MAP_SHARE=(--head-dims 16 --heads 4 --kv-ratios 1 --layers 1 --seq-lens 32 --repeats 2 --threads 1 --in-process)
-    T_TESTS=120 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120 T_GRID_STATIC=120 T_MAP_SHARE=60  # caps
+    COMPILED=(--head-dims 16 --heads 4 --kv-ratios 4 --layers 1 --seq-lens 32 --repeats 1 --decode-tokens 2
+              --kv-prompt-len 4 --kv-new-tokens 2 --threads 1 --variants standard qk_map_compact_compiled
+              qk_map_wide_compiled)
+    T_TESTS=180 T_PATHS=240 T_SDPA=120 T_FLEX=240 T_FLASH=0 T_GRID=120 T_GRID_STATIC=120 T_MAP_SHARE=60  # caps
+    T_COMPILED=180
 fi
 
-rm -rf "$OUT"/bench_* "$OUT/grid" "$OUT/grid_static" "$OUT/map_share"  # the table at the end must not show an earlier run's CSVs
+rm -rf "$OUT"/bench_* "$OUT/grid" "$OUT/grid_static" "$OUT/map_share" "$OUT/compiled"  # the table at the end must not show an earlier run's CSVs
 step gpu_tests "$T_TESTS" env QKMAP_TEST_DEVICE="$DEVICE" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
 step kernel_paths "$T_PATHS" python3 benchmarks/kernel_paths.py --device "$DEVICE" --dtype "$DTYPE" --paths "${PATHS[@]}"
 for path in "${PATHS[@]}"; do
@@ -105,6 +115,8 @@ step grid_static "$T_GRID_STATIC" python3 benchmarks/shape_grid.py --device "$DE
     "${GRID[@]}" --no-train --decode-cache static --output-dir "$OUT/grid_static"
 step map_share "$T_MAP_SHARE" python3 benchmarks/map_share.py --device "$DEVICE" --dtype "$DTYPE" "${MAP_SHARE[@]}" \
     --output-dir "$OUT/map_share"
+step compiled "$T_COMPILED" python3 benchmarks/shape_grid.py --device "$DEVICE" --dtype "$DTYPE" --attn sdpa \
+    "${COMPILED[@]}" --output-dir "$OUT/compiled"
 
 echo "=== summary ($MODE; logs and CSVs under $OUT)"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
@@ -113,6 +125,7 @@ for path in "${PATHS[@]}"; do RUNS+=("bench_$path=$OUT/bench_$path"); done
 echo "=== one table of every benchmark step (cost ratio vs standard, median [min-max] over repeats; floors: matmul" \
      "FLOPs, and for decode / memory: elements moved per token)"
 python3 benchmarks/shape_grid.py --summarize "${RUNS[@]}" "grid=$OUT/grid" "grid_static=$OUT/grid_static" \
+    "compiled=$OUT/compiled" \
     | tee "$OUT/summary_table.md"
 echo "=== the feature map's share of the training step (map_share.py: step, without the map, sin/cos alone)"
 cat "$OUT/map_share/map_share_table.md" 2>/dev/null || echo "(map_share did not finish: see $OUT/map_share.log)"

@@ -43,7 +43,7 @@ from qkmap_hf.modeling.construction_qkmap import QKMapFeatureMap
 from qkmap_hf.training.sweep import paired_interval
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_overhead import VARIANTS, WARMUP_REPEATS, build, timed  # noqa: E402
+from attention_overhead import COMPILED_SUFFIX, VARIANTS, WARMUP_REPEATS, build, timed  # noqa: E402
 from shape_grid import STANDARD, TARGETS, floor_ratio, grid_shapes, part_path, run_part, shape_label, write_csv  # noqa: E402
 
 DEFAULT_LAYOUTS = ("qk_map_wide", "qk_map_compact")
@@ -52,8 +52,22 @@ UNTIMED_STEPS = 2  # per model before the first repeat: allocator and thread-poo
 SUMMARY_FIELDS = (
     "shape", "hidden_size", "layers", "seq_len", "variant", "standard_ms", "step_ratio", "step_min", "step_max",
     "no_map_ratio", "no_map_min", "no_map_max", "floor_ratio", "map_cost", "map_cost_low", "map_cost_high",
-    "trig_share", "target", "repeats",
+    "trig_share", "target", "repeats", "eager_variant", "compiled_saving", "compiled_saving_low",
+    "compiled_saving_high",
 )  # fmt: skip
+
+
+def eager_of(variant: str, variants: list[str]) -> str | None:
+    """The eager layout a compiled one (``..._compiled``: ``qkmap_compile_feature_map``) is paired with, where both
+    are measured; None otherwise."""
+    base = variant.removesuffix(COMPILED_SUFFIX)
+    return base if base != variant and base in variants else None
+
+
+def map_arms_variant(variant: str, variants: list[str]) -> str:
+    """Whose no-map and sin/cos arms a layout's row reads: a compiled layout's are its eager layout's where that is
+    measured too (the same model without its map, the same trig), so they are timed once."""
+    return eager_of(variant, variants) or variant
 
 
 def repeat_features(tensor: torch.Tensor, copies: int) -> torch.Tensor:
@@ -124,8 +138,9 @@ def measure_case(args: argparse.Namespace, size: dict, seq_len: int) -> list[dic
     for variant in args.variants:
         model = models[variant]
         arms[variant] = lambda model=model: training_step(model, ids)
-        arms[f"{variant}, {NO_MAP}"] = lambda model=model: _without_map(model, ids)
-        arms[f"{variant}, {TRIG}"] = TrigWork(model.config, args.batch, seq_len, args.device)
+        if map_arms_variant(variant, args.variants) == variant:
+            arms[f"{variant}, {NO_MAP}"] = lambda model=model: _without_map(model, ids)
+            arms[f"{variant}, {TRIG}"] = TrigWork(model.config, args.batch, seq_len, args.device)
     for work in arms.values():
         for _ in range(UNTIMED_STEPS):
             work()
@@ -149,14 +164,19 @@ def per_repeat(raw: list[dict], arm: str) -> list[float]:
 
 
 def summarize(size: dict, seq_len: int, variants: list[str], raw: list[dict]) -> list[dict]:
-    """One row per layout: step, no-map and sin/cos ratios to standard (per repeat), the map's paired cost."""
+    """One row per layout: step, no-map and sin/cos ratios to standard (per repeat), the map's paired cost; for a
+    compiled layout measured next to its eager one, what compiling saves, ``(eager - compiled) / standard`` paired."""
     standard = per_repeat(raw, STANDARD)
+
+    def ratios(arm: str) -> list[float]:
+        return [t / s for t, s in zip(per_repeat(raw, arm), standard, strict=True)]
+
     rows = []
     for variant in variants:
-        step = [t / s for t, s in zip(per_repeat(raw, variant), standard, strict=True)]
-        no_map = [t / s for t, s in zip(per_repeat(raw, f"{variant}, {NO_MAP}"), standard, strict=True)]
-        trig = [t / s for t, s in zip(per_repeat(raw, f"{variant}, {TRIG}"), standard, strict=True)]
+        step, arms_of, eager = ratios(variant), map_arms_variant(variant, variants), eager_of(variant, variants)
+        no_map, trig = ratios(f"{arms_of}, {NO_MAP}"), ratios(f"{arms_of}, {TRIG}")
         cost = paired_interval([a - b for a, b in zip(step, no_map, strict=True)])
+        saving = paired_interval([a - b for a, b in zip(ratios(eager), step, strict=True)]) if eager else None
         rows.append(
             dict(
                 shape=shape_label(size),
@@ -178,6 +198,10 @@ def summarize(size: dict, seq_len: int, variants: list[str], raw: list[dict]) ->
                 trig_share=statistics.median(trig),
                 target=TARGETS.get((variant, "train_tokens_per_s")),
                 repeats=len(standard),
+                eager_variant=eager,
+                compiled_saving=saving and saving["mean"],
+                compiled_saving_low=saving and saving["low"],
+                compiled_saving_high=saving and saving["high"],
             )  # fmt: skip
         )
     return rows
@@ -208,19 +232,24 @@ def _cell(value: float | None, digits: int = 3) -> str:
 def markdown(summary: list[dict]) -> str:
     lines = [
         "| case | layout | standard step | step [range] | no map [range] | FLOP floor | map's cost (95 % CI) | "
-        "sin/cos alone | target |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "sin/cos alone | target | compiling saves (95 % CI) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
         interval = (
             f"[{_cell(row['map_cost_low'])}, {_cell(row['map_cost_high'])}]" if row["map_cost_low"] is not None else ""
         )
+        saving = ""
+        if row.get("compiled_saving") is not None:
+            saving = f"{row['compiled_saving']:+.3f}"
+            if row["compiled_saving_low"] is not None:
+                saving += f" [{_cell(row['compiled_saving_low'])}, {_cell(row['compiled_saving_high'])}]"
         lines.append(
             f"| {row['shape']} T = {row['seq_len']} | {row['variant']} | {row['standard_ms']:.1f} ms | "
             f"{row['step_ratio']:.3f}x [{row['step_min']:.2f}-{row['step_max']:.2f}] | "
             f"{row['no_map_ratio']:.3f}x [{row['no_map_min']:.2f}-{row['no_map_max']:.2f}] | "
             f"{_cell(row['floor_ratio'])} | {row['map_cost']:+.3f} {interval} | {row['trig_share']:.3f} | "
-            f"{_cell(row['target'], 2)} |"
+            f"{_cell(row['target'], 2)} | {saving} |"
         )
     return "\n".join(lines)
 

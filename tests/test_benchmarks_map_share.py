@@ -109,6 +109,34 @@ def test_the_summary_pairs_each_repeat_with_standard() -> None:
     )
 
 
+def test_a_compiled_layout_is_paired_with_its_eager_one_and_reads_its_no_map_arms() -> None:
+    """``qk_map_wide_compiled`` next to ``qk_map_wide``: no no-map or sin/cos arms of its own (the same model without
+    its map, the same trig), and what compiling saves is the mean paired ``(eager - compiled) / standard``."""
+    standard = [0.10, 0.20, 0.10]
+    eager, compiled, no_map, trig = [0.13, 0.28, 0.12], [0.12, 0.24, 0.115], [0.11, 0.22, 0.105], [0.01, 0.02, 0.01]
+    raw = []
+    for arm, times in (("standard", standard), ("qk_map_wide", eager), ("qk_map_wide_compiled", compiled),
+                       ("qk_map_wide, no map", no_map), ("qk_map_wide, sin/cos", trig)):  # fmt: skip
+        raw += [{"arm": arm, "repeat": i, "seconds": t} for i, t in enumerate(times)]
+    variants = ["qk_map_wide", "qk_map_wide_compiled"]
+    assert [map_share.map_arms_variant(v, variants) for v in variants] == ["qk_map_wide", "qk_map_wide"]
+    assert map_share.map_arms_variant("qk_map_wide_compiled", ["qk_map_wide_compiled"]) == "qk_map_wide_compiled"
+    eager_row, compiled_row = map_share.summarize(SIZE, T, variants, raw)
+    assert eager_row["compiled_saving"] is None and eager_row["eager_variant"] is None
+    assert compiled_row["eager_variant"] == "qk_map_wide"
+    assert compiled_row["no_map_ratio"] == eager_row["no_map_ratio"]
+    saving = [(a - b) / s for a, b, s in zip(eager, compiled, standard, strict=True)]
+    assert compiled_row["compiled_saving"] == pytest.approx(sum(saving) / 3)
+    assert compiled_row["compiled_saving_low"] < compiled_row["compiled_saving"] < compiled_row["compiled_saving_high"]
+    assert compiled_row["target"] == 1.22
+    table = map_share.markdown([eager_row, compiled_row])
+    assert table.splitlines()[2].endswith("| 1.22 |  |")
+    assert table.splitlines()[3].endswith(
+        f"| {compiled_row['compiled_saving']:+.3f} [{compiled_row['compiled_saving_low']:.3f}, "
+        f"{compiled_row['compiled_saving_high']:.3f}] |"
+    )
+
+
 @pytest.mark.slow  # three small models timed in seven arms (~5 s)
 @pytest.mark.usefixtures("one_thread")
 def test_a_run_writes_its_table_csvs_and_plot_and_resumes_from_its_parts(tmp_path, capsys) -> None:

@@ -44,7 +44,7 @@ def test_custom_backward_passes_gradcheck_in_float64(heads, kv_heads, num_freq, 
     width = 4 if freq_width > 1 else 1
     inputs = random_inputs(heads, kv_heads, num_freq, width, m=4, seq=3, batch=1, tables_need_grad=heads == 4)
     assert torch.autograd.gradcheck(
-        lambda *tensors: QKMapFeatureFunction.apply(*tensors, rotate_cos_blocks),
+        lambda *tensors: QKMapFeatureFunction.apply(*tensors, rotate_cos_blocks, False),
         inputs,
         eps=1e-6,
         atol=1e-8,
@@ -60,6 +60,12 @@ def test_custom_backward_equals_autograd_of_the_written_out_formula(
     inputs = random_inputs(heads, kv_heads, num_freq, freq_width)
     features = qkmap_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
     assert features.grad_fn.name() == "QKMapFeatureFunctionBackward"
+    assert_equals_the_written_out_formula(features, inputs, rotate_cos_blocks)
+
+
+def assert_equals_the_written_out_formula(features, inputs, rotate_cos_blocks: bool) -> None:
+    """``features`` of float64 ``inputs`` against the written-out formula: values to 1e-12, and the gradients for
+    ``z``, omega and the gains of a random weighting to 1e-10 relative."""
     expected = written_out_features(*inputs, rotate_cos_blocks=rotate_cos_blocks)
     assert (features - expected).abs().max().item() < 1e-12
     weights = torch.randn(features.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -177,7 +183,7 @@ def test_query_key_node_passes_gradcheck_and_equals_two_single_nodes(
     """The one-node map of queries and keys: float64 gradcheck, and the gradients of two separate nodes."""
     inputs = query_key_inputs(heads, kv_heads, num_freq, 4 if freq_width > 1 else 1, tables_need_grad=heads == 4)
     assert torch.autograd.gradcheck(
-        lambda *tensors: QKMapQueryKeyFunction.apply(*tensors, rotate_cos_blocks),
+        lambda *tensors: QKMapQueryKeyFunction.apply(*tensors, rotate_cos_blocks, False),
         inputs,
         eps=1e-6,
         atol=1e-8,
@@ -342,7 +348,7 @@ def test_projected_node_passes_gradcheck_and_equals_projections_then_the_map(
     gradients for every input (layer input, weights, biases, omega, gains) up to float rounding."""
     inputs = projection_inputs(heads, kv_heads, num_freq, 4 if freq_width > 1 else 1, bias=heads != 4)
     assert torch.autograd.gradcheck(
-        lambda *tensors: QKMapProjectedQueryKeyFunction.apply(*tensors, 4, rotate_cos_blocks),
+        lambda *tensors: QKMapProjectedQueryKeyFunction.apply(*tensors, 4, rotate_cos_blocks, False),
         inputs,
         eps=1e-6,
         atol=1e-8,

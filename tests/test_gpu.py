@@ -88,10 +88,20 @@ def test_wide_keys_sdpa_trains_and_decodes_like_eager():
 def test_recomputing_projections_in_bf16_on_device_gives_the_plain_loss_and_gradients():
     """``qkmap_recompute_projections`` in bf16 weights on the device (sdpa): the plain path's loss bit for bit, its
     gradients up to bf16 rounding of the sums' order."""
+    losses = trained_pair_in_bf16_on_device(
+        {"qkmap_recompute_projections": False}, {"qkmap_recompute_projections": True}
+    )
+    assert torch.equal(losses[0], losses[1])
+
+
+def trained_pair_in_bf16_on_device(first: dict, second: dict) -> list[torch.Tensor]:
+    """Two qk_map models (config fields ``first`` and ``second``) in bf16 on the device with the same weights, one
+    training step each on the same ids: their losses, after checking their ``q_proj``/``k_proj`` gradients agree up
+    to bf16 rounding of the sums' order."""
     torch.manual_seed(0)
     models = []
-    for recompute in (False, True):
-        config = QKMapConfig(qk_mode="qk_map", qkmap_recompute_projections=recompute, **tiny_config_kwargs())
+    for fields in (first, second):
+        config = QKMapConfig(qk_mode="qk_map", **fields, **tiny_config_kwargs())
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
         models.append(model.to(DEVICE))
     models[1].load_state_dict(models[0].state_dict())
@@ -101,10 +111,22 @@ def test_recomputing_projections_in_bf16_on_device_gives_the_plain_loss_and_grad
         loss = model(ids, labels=ids).loss
         loss.backward()
         losses.append(loss)
-    assert torch.equal(losses[0], losses[1])
     for name in ("q_proj", "k_proj"):
         plain, fused = (getattr(m.model.layers[0].self_attn, name).weight.grad.float() for m in models)
         assert (plain - fused).abs().max().item() < 2e-2 * (1 + plain.abs().max().item()), name
+    return losses
+
+
+@pytest.mark.slow
+def test_compiled_feature_map_in_bf16_on_device_gives_the_eager_loss_and_gradients():
+    """``qkmap_compile_feature_map`` in bf16 weights on the device (inductor: Triton on a GPU, C++ on a CPU), the wide
+    layout's default recomputing node: the eager map's loss and gradients up to bf16 rounding, no eager fall-back."""
+    from qkmap_hf.modeling import feature_map_qkmap
+
+    losses = trained_pair_in_bf16_on_device({"qkmap_compile_feature_map": False}, {"qkmap_compile_feature_map": True})
+    assert feature_map_qkmap.COMPILED_QUERY_KEY_GRADIENTS.failure is None
+    assert feature_map_qkmap.COMPILED_QUERY_KEY_GRADIENTS.compiled is not None
+    assert losses[1].float().item() == pytest.approx(losses[0].float().item(), rel=1e-2)
 
 
 def test_decoding_rows_kept_between_tokens_follow_a_move_to_the_device_and_updates_there():

@@ -88,6 +88,11 @@ class QKMapConfig(LlamaConfig):
       standard's), off in the compact layout (already at standard's bytes). Values are the same; adapters (peft),
       quantized projections, hooks, autocast, ``qkmap_input_norm`` and gradient checkpointing (which keeps only the
       layer inputs anyway) keep the plain path.
+    - ``qkmap_compile_feature_map``: run the feature map's passes (not decoding's one-token path) as plain expressions
+      compiled with ``torch.compile`` on first use, which fuses its elementwise chain into a few passes over memory
+      (docs/performance.md: the map's cost in a training step, eager against compiled). Off by default: the first
+      call of each shape compiles (seconds), and inductor needs a C++ compiler on a CPU; where compiling fails the
+      model warns once and runs the eager map. Values equal the eager map's up to float rounding.
 
     Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
 
@@ -118,6 +123,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_gain_treatment: str = "learned"
     qkmap_cos_block: str = "phase"
     qkmap_recompute_projections: bool | None = None
+    qkmap_compile_feature_map: bool = False
     logit_scale_multiplier: float = 1.0
     qk_position_prior: str = "none"
 

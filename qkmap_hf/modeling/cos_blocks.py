@@ -32,8 +32,9 @@ class PhaseCosBlocks:
         key_gain: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        compiled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate)
+        return qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate, compiled)
 
 
 class ConstantCosBlocks(PhaseCosBlocks):
@@ -45,10 +46,10 @@ class ConstantCosBlocks(PhaseCosBlocks):
     stacks_decoding = False
 
     @classmethod
-    def features(cls, rotate, query, key, frequency, query_gain, key_gain, cos, sin):
+    def features(cls, rotate, query, key, frequency, query_gain, key_gain, cos, sin, compiled=False):
         sine_rows = cls.sine_rows(query_gain)
         query_features, key_features = qkmap_query_key_features(
-            query, key, frequency, query_gain * sine_rows, key_gain * sine_rows, cos, sin, rotate
+            query, key, frequency, query_gain * sine_rows, key_gain * sine_rows, cos, sin, rotate, compiled
         )
         groups = query.shape[1] // key.shape[1]
         return (

@@ -10,6 +10,8 @@ tensors only and recomputes cos/sin in the backward pass; its gradients are auto
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -207,27 +209,173 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
     return grad_z, grad_frequency, grad_gain, grad_cos, grad_sin
 
 
+def _rotate_half(tensor: torch.Tensor, adjoint: bool) -> torch.Tensor:
+    """Llama's ``rotate_half`` on the last dimension, ``(x1, x2) -> (-x2, x1)``, or its adjoint ``(x2, -x1)``."""
+    first, second = _halves(tensor)
+    return torch.cat((second, -first) if adjoint else (-second, first), dim=-1)
+
+
+def _expression_blocks(z, frequency, gain, cos, sin):
+    """The views of ``_Layout`` as plain expressions (no buffers, no ``out=``), for ``torch.compile`` to fuse:
+    ``z`` as ``(batch, seq, kv_heads, groups, 1, m)``, omega and the RoPE tables to broadcast against the feature rows
+    ``(batch, seq, kv_heads, groups, F, 2, m)``, the gains as those rows."""
+    batch, heads, seq, m = z.shape
+    kv_heads, num_freq, freq_width = frequency.shape
+    dtype = _compute_dtype(z.dtype)
+    z_blocks = z.transpose(1, 2).to(dtype).reshape(batch, seq, kv_heads, heads // kv_heads, 1, m)
+    omega = frequency.to(dtype).view(1, 1, kv_heads, 1, num_freq, freq_width)
+    gains = gain.to(dtype).view(1, 1, kv_heads, 1, num_freq, 2, m)
+    table_cos, table_sin = (table.to(dtype).view(table.shape[0], seq, 1, 1, 1, 1, m) for table in (cos, sin))
+    return z_blocks, omega, gains, table_cos, table_sin
+
+
+def _expression_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -> torch.Tensor:
+    """``_features`` as one plain expression: the same math, which ``torch.compile`` fuses into a pass or two over
+    memory where eager PyTorch makes one per op (``qkmap_compile_feature_map``)."""
+    z_blocks, omega, gains, table_cos, table_sin = _expression_blocks(z, frequency, gain, cos, sin)
+    phase = z_blocks * omega
+    rows = torch.stack((phase.cos(), phase.sin()), dim=-2) * gains
+    rotated = rows * table_cos + _rotate_half(rows, adjoint=False) * table_sin
+    if not rotate_cos_blocks:
+        rotated = torch.stack((rows[..., 0, :], rotated[..., 1, :]), dim=-2)
+    batch, heads, seq, _ = z.shape
+    return rotated.reshape(batch, seq, heads, -1).transpose(1, 2).to(z.dtype)
+
+
+def _expression_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, needs) -> tuple:
+    """``_feature_gradients`` for ``z``, omega and the gains as one plain expression (``qkmap_compile_feature_map``);
+    ``needs`` as there, its last two (the RoPE tables') False."""
+    need_z, need_frequency, need_gain = needs[:3]
+    z_blocks, omega, gains, table_cos, table_sin = _expression_blocks(z, frequency, gain, cos, sin)
+    batch, heads, seq, m = z.shape
+    incoming = grad_output.transpose(1, 2).to(z_blocks.dtype).reshape(*z_blocks.shape[:4], omega.shape[4], 2, m)
+    grad_rows = incoming * table_cos + _rotate_half(incoming * table_sin, adjoint=True)  # R^T grad
+    if not rotate_cos_blocks:
+        grad_rows = torch.stack((incoming[..., 0, :], grad_rows[..., 1, :]), dim=-2)
+    phase = z_blocks * omega
+    cosines, sines = phase.cos(), phase.sin()
+    grad_z = grad_frequency = grad_gain = None
+    if need_gain:
+        products = grad_rows * torch.stack((cosines, sines), dim=-2)
+        grad_gain = products.sum(dim=(0, 1, 3)).reshape(gain.shape).to(gain.dtype)
+    if need_z or need_frequency:
+        grad_trig = grad_rows * gains
+        grad_phase = grad_trig[..., 1, :] * cosines - grad_trig[..., 0, :] * sines
+        if need_frequency:
+            grad_frequency = (grad_phase * z_blocks).sum_to_size(omega.shape).reshape(frequency.shape)
+            grad_frequency = grad_frequency.to(frequency.dtype)
+        if need_z:
+            grad_z = (grad_phase * omega).sum(dim=-2).reshape(batch, seq, heads, m).transpose(1, 2).to(z.dtype)
+    return grad_z, grad_frequency, grad_gain, None, None
+
+
+class CompiledExpression:
+    """A plain-expression version of a feature-map pass, compiled with ``torch.compile`` on first use
+    (``qkmap_compile_feature_map``): the map's elementwise chain fused into a few passes over memory.
+
+    Where compiling fails (no C++ compiler for inductor on a CPU, a backend that cannot take it), it warns once,
+    naming the error, and answers None from then on: the caller runs its eager path, whose values are the same up
+    to float rounding. Inside a caller's own ``torch.compile`` it is traced as part of that graph.
+    """
+
+    def __init__(self, expression):
+        self.expression = expression
+        self.compiled = None
+        self.failure: str | None = None
+
+    def __call__(self, *args):
+        if self.failure is not None:
+            return None
+        if torch.compiler.is_compiling():
+            return self.expression(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.expression, dynamic=None)
+        # Detached: the passes run without autograd anyway, and a guard on ``requires_grad`` would compile training's
+        # and inference's calls of one shape twice.
+        args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # any backend failure falls back to the eager path
+            lines = str(error).strip().splitlines()
+            self.failure = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+            warnings.warn(
+                f"qkmap_compile_feature_map: torch.compile of {self.expression.__name__} failed ({self.failure}); "
+                "the eager feature map runs instead (same values, slower).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+
+
+def _expression_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool):
+    """Both maps of ``QKMapQueryKeyFunction`` in one compiled region: one guard check and call, not two."""
+    return (
+        _expression_features(query, frequency, query_gain, cos, sin, rotate_cos_blocks),
+        _expression_features(key, frequency, key_gain, cos, sin, rotate_cos_blocks),
+    )
+
+
+def _expression_query_key_gradients(
+    grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, query_needs, key_needs
+):
+    """``_expression_gradients`` of queries and keys in one compiled region: ``(z_q, z_k, omega, gain_q, gain_k)``."""
+    grad_q, frequency_q, gain_q, _, _ = _expression_gradients(
+        grad_query, query, frequency, query_gain, cos, sin, rotate, query_needs
+    )
+    grad_k, frequency_k, gain_k, _, _ = _expression_gradients(
+        grad_key, key, frequency, key_gain, cos, sin, rotate, key_needs
+    )
+    return grad_q, grad_k, _add(frequency_q, frequency_k), gain_q, gain_k
+
+
+COMPILED_FEATURES = CompiledExpression(_expression_features)
+COMPILED_GRADIENTS = CompiledExpression(_expression_gradients)
+COMPILED_QUERY_KEY_FEATURES = CompiledExpression(_expression_query_key_features)
+COMPILED_QUERY_KEY_GRADIENTS = CompiledExpression(_expression_query_key_gradients)
+
+
+def _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool) -> torch.Tensor:
+    """The forward pass of ``phi``: the compiled expression when asked for and it runs, else the eager ``_features``."""
+    if compiled and z.shape[-2] > 1:  # one token is dispatch-bound either way; no compile per decoding shape
+        features = COMPILED_FEATURES(z, frequency, gain, cos, sin, rotate_cos_blocks)
+        if features is not None:
+            return features
+    return _features(z, frequency, gain, cos, sin, rotate_cos_blocks)
+
+
+def _map_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, needs, compiled: bool) -> tuple:
+    """``_feature_gradients``, from the compiled expression when asked for and the RoPE tables need no gradient."""
+    if compiled and any(needs[:3]) and not any(needs[3:]) and z.shape[-2] > 1:
+        grads = COMPILED_GRADIENTS(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks, tuple(needs[:3]))
+        if grads is not None:
+            return grads
+    return _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks, needs)
+
+
 def _add(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
     return second if first is None else first if second is None else first + second
 
 
 class QKMapFeatureFunction(torch.autograd.Function):
-    """``phi`` with a recomputing backward pass: saves ``z``, ``omega``, gains and the RoPE tables only."""
+    """``phi`` with a recomputing backward pass: saves ``z``, ``omega``, gains and the RoPE tables only.
+
+    ``compiled``: both passes run the compiled expressions (``qkmap_compile_feature_map``)."""
 
     @staticmethod
-    def forward(z, frequency, gain, cos, sin, rotate_cos_blocks: bool):
-        return _features(z, frequency, gain, cos, sin, rotate_cos_blocks)
+    def forward(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
+        return _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks, compiled)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        z, frequency, gain, cos, sin, rotate_cos_blocks = inputs
+        z, frequency, gain, cos, sin, rotate_cos_blocks, compiled = inputs
         ctx.save_for_backward(z, frequency, gain, cos, sin)
-        ctx.rotate_cos_blocks = rotate_cos_blocks
+        ctx.rotate_cos_blocks, ctx.compiled = rotate_cos_blocks, compiled
 
     @staticmethod
     def backward(ctx, grad_output):
-        grads = _feature_gradients(grad_output, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad[:5])
-        return *grads, None
+        needs = ctx.needs_input_grad[:5]
+        grads = _map_gradients(grad_output, *ctx.saved_tensors, ctx.rotate_cos_blocks, needs, ctx.compiled)
+        return *grads, None, None
 
 
 class QKMapQueryKeyFunction(torch.autograd.Function):
@@ -238,7 +386,13 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool):
+    def forward(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
+        if compiled and query.shape[-2] > 1:
+            features = COMPILED_QUERY_KEY_FEATURES(
+                query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks
+            )
+            if features is not None:
+                return features
         return (
             _features(query, frequency, query_gain, cos, sin, rotate_cos_blocks),
             _features(key, frequency, key_gain, cos, sin, rotate_cos_blocks),
@@ -247,26 +401,35 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:7])
-        ctx.rotate_cos_blocks = inputs[7]
+        ctx.rotate_cos_blocks, ctx.compiled = inputs[7:]
 
     @staticmethod
     def backward(ctx, grad_query, grad_key):
         grads = _query_key_gradients(
-            grad_query, grad_key, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad
+            grad_query, grad_key, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad, ctx.compiled
         )
-        return *grads, None
+        return *grads, None, None
 
 
-def _query_key_gradients(grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, needs):
+def _query_key_gradients(
+    grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, needs, compiled: bool
+):
     """Gradients of ``QKMapQueryKeyFunction`` for its seven tensor inputs; ``needs`` in that order."""
     need_q, need_k, need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = needs[:7]
     query_needs = (need_q, need_frequency, need_q_gain, need_cos, need_sin)
     key_needs = (need_k, need_frequency, need_k_gain, need_cos, need_sin)
-    grad_q, freq_q, gain_q, cos_q, sin_q = _feature_gradients(
-        grad_query, query, frequency, query_gain, cos, sin, rotate, query_needs
+    if compiled and not (need_cos or need_sin) and any(query_needs) and any(key_needs) and query.shape[-2] > 1:
+        grads = COMPILED_QUERY_KEY_GRADIENTS(
+            grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, query_needs[:3],
+            key_needs[:3],
+        )  # fmt: skip
+        if grads is not None:
+            return *grads, None, None
+    grad_q, freq_q, gain_q, cos_q, sin_q = _map_gradients(
+        grad_query, query, frequency, query_gain, cos, sin, rotate, query_needs, compiled
     )
-    grad_k, freq_k, gain_k, cos_k, sin_k = _feature_gradients(
-        grad_key, key, frequency, key_gain, cos, sin, rotate, key_needs
+    grad_k, freq_k, gain_k, cos_k, sin_k = _map_gradients(
+        grad_key, key, frequency, key_gain, cos, sin, rotate, key_needs, compiled
     )
     return grad_q, grad_k, _add(freq_q, freq_k), gain_q, gain_k, _add(cos_q, cos_k), _add(sin_q, sin_k)
 
@@ -303,15 +466,17 @@ class QKMapProjectedQueryKeyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin,
-                width: int, rotate_cos_blocks: bool):  # fmt: skip
+                width: int, rotate_cos_blocks: bool, compiled: bool):  # fmt: skip
         query = _project(hidden, query_weight, query_bias, width)
         key = _project(hidden, key_weight, key_bias, width)
-        return QKMapQueryKeyFunction.forward(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks)
+        return QKMapQueryKeyFunction.forward(
+            query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:10])
-        ctx.width, ctx.rotate_cos_blocks = inputs[10:]
+        ctx.width, ctx.rotate_cos_blocks, ctx.compiled = inputs[10:]
 
     @staticmethod
     def backward(ctx, grad_query, grad_key):
@@ -323,11 +488,12 @@ class QKMapProjectedQueryKeyFunction(torch.autograd.Function):
         query = _project(hidden, query_weight, query_bias, ctx.width) if need_query or need_q_gain or both else None
         key = _project(hidden, key_weight, key_bias, ctx.width) if need_key or need_k_gain or both else None
         grad_q, grad_k, *grads = _query_key_gradients(
-            grad_query, grad_key, query, key, *shared, ctx.rotate_cos_blocks, (need_query, need_key, *needs[5:10])
-        )
+            grad_query, grad_key, query, key, *shared, ctx.rotate_cos_blocks, (need_query, need_key, *needs[5:10]),
+            ctx.compiled,
+        )  # fmt: skip
         hidden_q, *query_grads = _projection_gradients(grad_q, hidden, query_weight, (needs[0], *needs[1:3]))
         hidden_k, *key_grads = _projection_gradients(grad_k, hidden, key_weight, (needs[0], *needs[3:5]))
-        return _add(hidden_q, hidden_k), *query_grads, *key_grads, *grads, None, None
+        return _add(hidden_q, hidden_k), *query_grads, *key_grads, *grads, None, None, None
 
 
 def qkmap_features(
@@ -337,6 +503,7 @@ def qkmap_features(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Map projected queries or keys to RoPE-rotated periodic features, ``phi`` of docs/method.md.
 
@@ -346,6 +513,7 @@ def qkmap_features(
         gain: ``(kv_heads, 2F, m)`` effective gains, rows ordered ``cos_0, sin_0, cos_1, ...``.
         cos, sin: ``(batch or 1, seq, m)`` RoPE tables for dimension ``m``.
         rotate_cos_blocks: rotate the cos blocks with RoPE like the sin blocks (False: cos blocks unrotated).
+        compiled: run the map as ``torch.compile``-fused expressions (``qkmap_compile_feature_map``; ``CompiledExpression``).
 
     Returns ``(batch, heads, seq, 2F*m)`` in ``z.dtype``. Phases, cos/sin and the rotation run in float32
     (float64 inputs stay float64); one broadcasted expression, no loop over blocks. When gradients are needed
@@ -353,8 +521,8 @@ def qkmap_features(
     """
     inputs = (z, frequency, gain, cos, sin)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
-        return QKMapFeatureFunction.apply(*inputs, rotate_cos_blocks)
-    return _features(*inputs, rotate_cos_blocks)
+        return QKMapFeatureFunction.apply(*inputs, rotate_cos_blocks, compiled)
+    return _map_features(*inputs, rotate_cos_blocks, compiled)
 
 
 def qkmap_query_key_features(
@@ -366,6 +534,7 @@ def qkmap_query_key_features(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qkmap_features(query, ...), qkmap_features(key, ...))`` with one autograd node for both.
 
@@ -373,12 +542,12 @@ def qkmap_query_key_features(
     """
     inputs = (query, key, frequency, query_gain, key_gain, cos, sin)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
-        return QKMapQueryKeyFunction.apply(*inputs, rotate_cos_blocks)
+        return QKMapQueryKeyFunction.apply(*inputs, rotate_cos_blocks, compiled)
     if query.shape[-2] == 1:
         groups = query.shape[1] // key.shape[1]
         stacked = stack_query_key_parameters(frequency, query_gain, key_gain, groups)
         return one_token_query_key_features(query, key, *stacked, cos, sin, rotate_cos_blocks)
-    return QKMapQueryKeyFunction.forward(*inputs, rotate_cos_blocks)
+    return QKMapQueryKeyFunction.forward(*inputs, rotate_cos_blocks, compiled)
 
 
 def qkmap_projected_query_key_features(
@@ -393,6 +562,7 @@ def qkmap_projected_query_key_features(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qkmap_query_key_features`` of ``hidden``'s query and key projections (``linear(hidden, weight, bias)``
     viewed as ``(batch, heads, seq, m)``), in one node that recomputes the projections in the backward pass instead
@@ -400,7 +570,7 @@ def qkmap_projected_query_key_features(
     width = query_gain.shape[-1]
     return QKMapProjectedQueryKeyFunction.apply(
         hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin, width,
-        rotate_cos_blocks,
+        rotate_cos_blocks, compiled,
     )  # fmt: skip
 
 
