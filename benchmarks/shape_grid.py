@@ -27,8 +27,10 @@ import itertools
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -544,7 +546,23 @@ def measured_part(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
     return raw, summary
 
 
+def _exit_when_parent_dies() -> None:
+    """End this part's process when the run that spawned it is gone (killed, interrupted): an orphaned part would go
+    on timing models next to whatever runs next, at the cost of those measurements (it happened: see
+    docs/results/map-share-compiled-L8/README.md). A daemon thread waits on the parent's sentinel."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait_then_exit() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=wait_then_exit, name="exit-with-parent", daemon=True).start()
+
+
 def _in_child(function, args: argparse.Namespace, *rest):
+    _exit_when_parent_dies()
     if args.threads:
         torch.set_num_threads(args.threads)
     return function(args, *rest)

@@ -589,3 +589,50 @@ def test_a_run_against_another_reference_measures_no_standard_and_gives_no_floor
     assert "vs floor" not in printed and "| qk_map_wide_recompute | train step | <= 1.22x" not in printed
     against_standard, _, _, _ = run_tiny_grid(tmp_path, "--in-process", "--variants", "qk_map_wide")
     assert {r["variant"] for r in against_standard} == {"standard", "qk_map_wide"}  # the other part: measured anew
+
+
+@pytest.mark.slow  # a spawned part imports torch and the package (~10 s here)
+def test_a_part_process_ends_when_its_run_is_killed(tmp_path) -> None:
+    """Killing a run (SIGKILL: no cleanup of its own) ends its spawned part too, instead of leaving it measuring."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "sleeper.py").write_text(
+        "import os, time\n"
+        "def record_and_sleep(args, path):\n"
+        "    open(path, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(120)\n"
+    )
+    pid_file = tmp_path / "part.pid"
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    code = (
+        f"import sys, argparse; sys.path[:0] = [{str(tmp_path)!r}, {str(benchmarks)!r}]\n"
+        "import shape_grid, sleeper\n"
+        "shape_grid.run_part(sleeper.record_and_sleep, argparse.Namespace(isolate=True, threads=1), "
+        f"{str(pid_file)!r})\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert run.poll() is None and time.monotonic() < deadline, "the part never started"
+            time.sleep(0.2)
+        part = int(pid_file.read_text())
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+        deadline = time.monotonic() + 20
+        stat = Path(f"/proc/{part}/stat")
+        while time.monotonic() < deadline:
+            try:  # gone, or a zombie nobody has reaped yet (its parent is dead): ended either way
+                if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            time.sleep(0.2)
+        os.kill(part, signal.SIGKILL)
+        raise AssertionError(f"the part (pid {part}) outlived its killed run by 20 s")
+    finally:
+        if run.poll() is None:
+            run.kill()
