@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from .feature_map_qkmap import qkmap_query_key_features
+from .feature_map_qkmap import qkmap_query_key_features, rotate_half
 
 
 class PhaseCosBlocks:
@@ -73,9 +73,7 @@ class ConstantCosBlocks(PhaseCosBlocks):
         rows = rows.repeat_interleave(groups, dim=0)[None, :, None]  # (1, heads, 1, 2F, m)
         if rotate:
             table_cos, table_sin = cos.float()[:, None, :, None], sin.float()[:, None, :, None]  # (b, 1, seq, 1, m)
-            half = rows.shape[-1] // 2
-            rotated_half = torch.cat((-rows[..., half:], rows[..., :half]), dim=-1)
-            rows = rows * table_cos + rotated_half * table_sin
+            rows = rows * table_cos + rotate_half(rows) * table_sin
         else:
             rows = rows.expand(-1, -1, cos.shape[1], -1, -1)
         return rows.flatten(-2)

@@ -177,9 +177,7 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
         if need_cos:
             grad_cos = (grad_rotated * features).sum_to_size(shape).view(cos.shape).to(cos.dtype)
         if need_sin:
-            first, second = features.chunk(2, dim=-1)
-            half_turn = torch.cat((-second, first), dim=-1)  # rotate_half
-            grad_sin = (grad_rotated * half_turn).sum_to_size(shape).view(sin.shape).to(sin.dtype)
+            grad_sin = (grad_rotated * rotate_half(features)).sum_to_size(shape).view(sin.shape).to(sin.dtype)
     # Through the rotation (orthogonal and linear): d features = R^T grad, read from sdpa's head-major gradient
     # and written token-major, cos rows and sin rows each into a contiguous half of one buffer.
     grad = layout.empty_trig()
@@ -209,8 +207,9 @@ def _feature_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blo
     return grad_z, grad_frequency, grad_gain, grad_cos, grad_sin
 
 
-def _rotate_half(tensor: torch.Tensor, adjoint: bool) -> torch.Tensor:
-    """Llama's ``rotate_half`` on the last dimension, ``(x1, x2) -> (-x2, x1)``, or its adjoint ``(x2, -x1)``."""
+def rotate_half(tensor: torch.Tensor, adjoint: bool = False) -> torch.Tensor:
+    """Llama's ``rotate_half`` on the last dimension, ``(x1, x2) -> (-x2, x1)``, or its adjoint ``(x2, -x1)``: one
+    copy, for the paths that do not rotate in place into strided halves (``_rotate_into``)."""
     first, second = _halves(tensor)
     return torch.cat((second, -first) if adjoint else (-second, first), dim=-1)
 
@@ -235,7 +234,7 @@ def _expression_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) 
     z_blocks, omega, gains, table_cos, table_sin = _expression_blocks(z, frequency, gain, cos, sin)
     phase = z_blocks * omega
     rows = torch.stack((phase.cos(), phase.sin()), dim=-2) * gains
-    rotated = rows * table_cos + _rotate_half(rows, adjoint=False) * table_sin
+    rotated = rows * table_cos + rotate_half(rows) * table_sin
     if not rotate_cos_blocks:
         rotated = torch.stack((rows[..., 0, :], rotated[..., 1, :]), dim=-2)
     batch, heads, seq, _ = z.shape
@@ -249,7 +248,7 @@ def _expression_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_
     z_blocks, omega, gains, table_cos, table_sin = _expression_blocks(z, frequency, gain, cos, sin)
     batch, heads, seq, m = z.shape
     incoming = grad_output.transpose(1, 2).to(z_blocks.dtype).reshape(*z_blocks.shape[:4], omega.shape[4], 2, m)
-    grad_rows = incoming * table_cos + _rotate_half(incoming * table_sin, adjoint=True)  # R^T grad
+    grad_rows = incoming * table_cos + rotate_half(incoming * table_sin, adjoint=True)  # R^T grad
     if not rotate_cos_blocks:
         grad_rows = torch.stack((incoming[..., 0, :], grad_rows[..., 1, :]), dim=-2)
     phase = z_blocks * omega
@@ -334,9 +333,15 @@ COMPILED_QUERY_KEY_FEATURES = CompiledExpression(_expression_query_key_features)
 COMPILED_QUERY_KEY_GRADIENTS = CompiledExpression(_expression_query_key_gradients)
 
 
+def _runs_compiled(compiled: bool, z: torch.Tensor) -> bool:
+    """Whether a call tries the compiled expressions: asked for, and more than one position (one token is
+    dispatch-bound either way, and a compile per decoding shape would not pay)."""
+    return compiled and z.shape[-2] > 1
+
+
 def _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool) -> torch.Tensor:
     """The forward pass of ``phi``: the compiled expression when asked for and it runs, else the eager ``_features``."""
-    if compiled and z.shape[-2] > 1:  # one token is dispatch-bound either way; no compile per decoding shape
+    if _runs_compiled(compiled, z):
         features = COMPILED_FEATURES(z, frequency, gain, cos, sin, rotate_cos_blocks)
         if features is not None:
             return features
@@ -345,7 +350,7 @@ def _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compile
 
 def _map_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, needs, compiled: bool) -> tuple:
     """``_feature_gradients``, from the compiled expression when asked for and the RoPE tables need no gradient."""
-    if compiled and any(needs[:3]) and not any(needs[3:]) and z.shape[-2] > 1:
+    if any(needs[:3]) and not any(needs[3:]) and _runs_compiled(compiled, z):
         grads = COMPILED_GRADIENTS(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks, tuple(needs[:3]))
         if grads is not None:
             return grads
@@ -387,7 +392,7 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
-        if compiled and query.shape[-2] > 1:
+        if _runs_compiled(compiled, query):
             features = COMPILED_QUERY_KEY_FEATURES(
                 query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks
             )
@@ -418,7 +423,7 @@ def _query_key_gradients(
     need_q, need_k, need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = needs[:7]
     query_needs = (need_q, need_frequency, need_q_gain, need_cos, need_sin)
     key_needs = (need_k, need_frequency, need_k_gain, need_cos, need_sin)
-    if compiled and not (need_cos or need_sin) and any(query_needs) and any(key_needs) and query.shape[-2] > 1:
+    if not (need_cos or need_sin) and any(query_needs) and any(key_needs) and _runs_compiled(compiled, query):
         grads = COMPILED_QUERY_KEY_GRADIENTS(
             grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, query_needs[:3],
             key_needs[:3],
