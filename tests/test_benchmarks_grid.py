@@ -12,9 +12,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import shape_grid  # noqa: E402
-from attention_overhead import variant_config  # noqa: E402
+from attention_overhead import COMPILED_SUFFIX, variant_config  # noqa: E402
 
 from qkmap_hf import QKMapForCausalLM  # noqa: E402
+
+# The variants the tiny grids measure: every one but the compiled maps, which compile on their first call (seconds
+# each, most of this file's time when they were in); test_a_compiled_variant_is_measured_in_the_grid takes one.
+EAGER_VARIANTS = tuple(variant for variant in shape_grid.VARIANTS if not variant.endswith(COMPILED_SUFFIX))
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def tiny_grid_args(output_dir: Path, *extra: str):
     args = shape_grid.parser().parse_args(
         ["--head-dims", "16", "--heads", "4", "--kv-ratios", "4", "--layers", "1", "--seq-lens", "8"]
         + ["--repeats", "1", "--decode-tokens", "1", "--kv-prompt-len", "3", "--kv-new-tokens", "2"]
-        + ["--variants", *shape_grid.VARIANTS, "--output-dir", str(output_dir), *extra]
+        + ["--variants", *EAGER_VARIANTS, "--output-dir", str(output_dir), *extra]
     )
     args.variants = shape_grid.measured_variants(args.variants, args.reference)
     return args
@@ -49,7 +53,7 @@ def run_tiny_grid(output_dir: Path, *extra: str):
 @pytest.mark.slow  # spawns a process (~7 s of imports)
 def test_a_rerun_reads_finished_parts_back_and_remeasures_when_the_settings_change(tmp_path, monkeypatch) -> None:
     summary, raw, _, _ = run_tiny_grid(tmp_path)  # the default: the part measured in a spawned process
-    assert {r["variant"] for r in summary if r["metric"] == "decode_ms_per_token"} == set(shape_grid.VARIANTS)
+    assert {r["variant"] for r in summary if r["metric"] == "decode_ms_per_token"} == set(EAGER_VARIANTS)
     (part,) = (tmp_path / "parts").iterdir()
     assert part.name == "d16_h4_kv1_L1_T8.json"
     measured = []
@@ -69,7 +73,7 @@ def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid)
         assert tuple(reader.fieldnames) == shape_grid.SUMMARY_FIELDS
         rows = list(reader)
     assert {(r["metric"], r["variant"]) for r in rows} == {
-        (metric, variant) for metric in shape_grid.COLUMNS for variant in shape_grid.VARIANTS
+        (metric, variant) for metric in shape_grid.COLUMNS for variant in EAGER_VARIANTS
     }
     assert {r["shape"] for r in rows} == {"d16 h4/kv1 L1"}
     for row in rows:
@@ -85,8 +89,18 @@ def test_grid_csv_has_every_metric_and_variant_with_finite_positive_ratios(grid)
         trained = row["metric"] == "train_tokens_per_s" and row["variant"] != "standard"
         assert (row["kernel_floor_ratio"] != "") == trained, row
     table = shape_grid.markdown(summary)
-    assert table.count("\n") == 1 + len(shape_grid.VARIANTS) - 1  # header, rule, one row per non-standard variant
+    assert table.count("\n") == 1 + len(EAGER_VARIANTS) - 1  # header, rule, one row per non-standard variant
     assert "vs floor" in table and "/ kernel" in table
+
+
+@pytest.mark.slow  # compiles the map's forward and backward expressions (seconds each on 2 cores)
+def test_a_compiled_variant_is_measured_in_the_grid(tmp_path, compiled_calls) -> None:
+    summary = run_tiny_grid(tmp_path, "--in-process", "--variants", "standard", "qk_map_wide_compiled")[0]
+    rows = {r["metric"]: r for r in summary if r["variant"] == "qk_map_wide_compiled"}
+    assert set(rows) == set(shape_grid.COLUMNS) - {"attention_kernel_ms"}  # that one only with --kernel-time
+    assert all(math.isfinite(r["cost_ratio"]) and r["cost_ratio"] > 0 for r in rows.values())
+    # Its training ran the compiled map both ways, not the eager fall-back.
+    assert {"_expression_query_key_features", "_expression_query_key_gradients"} <= set(compiled_calls)
 
 
 def test_wide_kv_bytes_per_token_follow_the_cached_widths(grid) -> None:

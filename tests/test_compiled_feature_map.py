@@ -15,37 +15,9 @@ from qkmap_hf.modeling.feature_map_qkmap import (
     qkmap_projected_query_key_features,
     qkmap_query_key_features,
 )
+from tests.compiled import COMPILED
 from tests.test_feature_map import assert_equals_the_written_out_formula, projection_inputs, random_inputs
 from tests.utils import tiny_config_kwargs
-
-COMPILED = (
-    "COMPILED_FEATURES",
-    "COMPILED_GRADIENTS",
-    "COMPILED_QUERY_KEY_FEATURES",
-    "COMPILED_QUERY_KEY_GRADIENTS",
-)
-
-
-@pytest.fixture
-def compiled_calls(monkeypatch):
-    """Fresh compiled expressions (no compile or failure left by another test), each call's expression name recorded
-    when the compiled version answered (not None: no eager fall-back)."""
-    torch._dynamo.reset()
-    calls: list[str] = []
-    for name in COMPILED:
-        fresh = CompiledExpression(getattr(feature_map_qkmap, name).expression)
-        monkeypatch.setattr(feature_map_qkmap, name, fresh)
-    answer = CompiledExpression.__call__
-
-    def recording(self, *args):
-        result = answer(self, *args)
-        if result is not None:
-            calls.append(self.expression.__name__)
-        return result
-
-    monkeypatch.setattr(CompiledExpression, "__call__", recording)
-    yield calls
-    torch._dynamo.reset()
 
 
 @pytest.mark.slow  # each case compiles a forward and a backward graph (seconds each on 2 cores)

@@ -398,3 +398,64 @@ def test_projected_node_keeps_the_layer_input_instead_of_the_projections():
         t.numel() * t.element_size() for t in inputs if t is not None
     )
     assert any(t.data_ptr() == inputs[0].data_ptr() for t in saved)  # the layer input itself, not a copy
+
+
+def test_a_training_step_binds_no_autograd_function_arguments_through_inspect(monkeypatch):
+    """``Function.apply`` binds a ``setup_context`` Function's arguments with ``inspect.signature`` on every call (~50 us,
+    paid per layer and training step); the map's nodes and the padded output projection take ``ctx`` in forward."""
+    import torch.autograd.function as autograd_function
+
+    real, bound = autograd_function.inspect, []
+
+    class RecordingInspect:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def signature(func, *args, **kwargs):
+            bound.append(func.__qualname__.split(".")[-2])  # the Function's class
+            return real.signature(func, *args, **kwargs)
+
+    monkeypatch.setattr(autograd_function, "inspect", RecordingInspect())
+
+    class WithSetupContext(torch.autograd.Function):  # the check can fail: such a Function is recorded
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    WithSetupContext.apply(torch.ones(1, requires_grad=True))
+    assert bound == ["WithSetupContext"]
+    bound.clear()
+
+    nodes = set()
+    for fields in ({}, {"qkmap_recompute_projections": False}, {"qkmap_input_dim": 4}):
+        torch.manual_seed(0)
+        model = QKMapForCausalLM(QKMapConfig(**tiny_config_kwargs(qk_mode="qk_map", **fields))).train()
+        model.set_attn_implementation("sdpa")
+        tokens = torch.randint(0, model.config.vocab_size, (1, 6))
+        loss = model(input_ids=tokens, labels=tokens).loss
+        pending = [loss.grad_fn]
+        while pending:
+            node = pending.pop()
+            nodes.add(type(node).__name__)
+            pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+        loss.backward()
+    features = qkmap_features(*random_inputs(4, 2, 2, 6))
+    nodes.add(type(features.grad_fn).__name__)
+    features.sum().backward()
+    expected = {
+        "QKMapFeatureFunctionBackward",
+        "QKMapProjectedQueryKeyFunctionBackward",
+        "QKMapQueryKeyFunctionBackward",
+    }
+    assert expected <= nodes
+    assert "PaddedOutputProjectionBackward" in nodes
+    assert bound == []

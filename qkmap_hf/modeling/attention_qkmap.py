@@ -179,13 +179,9 @@ class PaddedOutputProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(heads: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, heads: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(heads, weight)  # ctx in forward: see feature_map_qkmap (no setup_context binding cost)
         return F.linear(heads.reshape(*heads.shape[:-2], -1), weight, bias)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        heads, weight, _ = inputs
-        ctx.save_for_backward(heads, weight)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -361,20 +361,22 @@ def _add(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tenso
     return second if first is None else first if second is None else first + second
 
 
+# The autograd Functions below take ``ctx`` in ``forward`` (no ``setup_context``): with a ``setup_context``,
+# ``Function.apply`` binds its arguments through ``inspect.signature`` on every call, ~50 us each here against ~12 us for
+# the whole call without it, paid per layer and training step (those Functions would also run under functorch's
+# transforms, which nothing here uses).
+
+
 class QKMapFeatureFunction(torch.autograd.Function):
     """``phi`` with a recomputing backward pass: saves ``z``, ``omega``, gains and the RoPE tables only.
 
     ``compiled``: both passes run the compiled expressions (``qkmap_compile_feature_map``)."""
 
     @staticmethod
-    def forward(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
-        return _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks, compiled)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        z, frequency, gain, cos, sin, rotate_cos_blocks, compiled = inputs
+    def forward(ctx, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
         ctx.save_for_backward(z, frequency, gain, cos, sin)
         ctx.rotate_cos_blocks, ctx.compiled = rotate_cos_blocks, compiled
+        return _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks, compiled)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -391,22 +393,10 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
-        if _runs_compiled(compiled, query):
-            features = COMPILED_QUERY_KEY_FEATURES(
-                query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks
-            )
-            if features is not None:
-                return features
-        return (
-            _features(query, frequency, query_gain, cos, sin, rotate_cos_blocks),
-            _features(key, frequency, key_gain, cos, sin, rotate_cos_blocks),
-        )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:7])
-        ctx.rotate_cos_blocks, ctx.compiled = inputs[7:]
+    def forward(ctx, query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
+        ctx.save_for_backward(query, key, frequency, query_gain, key_gain, cos, sin)
+        ctx.rotate_cos_blocks, ctx.compiled = rotate_cos_blocks, compiled
+        return _query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled)
 
     @staticmethod
     def backward(ctx, grad_query, grad_key):
@@ -414,6 +404,18 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
             grad_query, grad_key, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad, ctx.compiled
         )
         return *grads, None, None
+
+
+def _query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
+    """The forward pass of ``QKMapQueryKeyFunction`` (no autograd node): both maps, compiled when asked for."""
+    if _runs_compiled(compiled, query):
+        features = COMPILED_QUERY_KEY_FEATURES(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks)
+        if features is not None:
+            return features
+    return (
+        _features(query, frequency, query_gain, cos, sin, rotate_cos_blocks),
+        _features(key, frequency, key_gain, cos, sin, rotate_cos_blocks),
+    )
 
 
 def _query_key_gradients(
@@ -470,18 +472,15 @@ class QKMapProjectedQueryKeyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin,
+    def forward(ctx, hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin,
                 width: int, rotate_cos_blocks: bool, compiled: bool):  # fmt: skip
+        ctx.save_for_backward(
+            hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin
+        )
+        ctx.width, ctx.rotate_cos_blocks, ctx.compiled = width, rotate_cos_blocks, compiled
         query = _project(hidden, query_weight, query_bias, width)
         key = _project(hidden, key_weight, key_bias, width)
-        return QKMapQueryKeyFunction.forward(
-            query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled
-        )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:10])
-        ctx.width, ctx.rotate_cos_blocks, ctx.compiled = inputs[10:]
+        return _query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled)
 
     @staticmethod
     def backward(ctx, grad_query, grad_key):
@@ -552,7 +551,7 @@ def qkmap_query_key_features(
         groups = query.shape[1] // key.shape[1]
         stacked = stack_query_key_parameters(frequency, query_gain, key_gain, groups)
         return one_token_query_key_features(query, key, *stacked, cos, sin, rotate_cos_blocks)
-    return QKMapQueryKeyFunction.forward(*inputs, rotate_cos_blocks, compiled)
+    return _query_key_features(*inputs, rotate_cos_blocks, compiled)
 
 
 def qkmap_projected_query_key_features(
