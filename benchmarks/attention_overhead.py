@@ -26,6 +26,7 @@ from transformers import Cache, StaticCache
 
 import qkmap_hf
 from qkmap_hf import QKMapConfig, QKMapForCausalLM
+from qkmap_hf.kernels import load_fused_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_time import KernelReplay, record_training_calls  # noqa: E402
@@ -46,27 +47,51 @@ MODEL_SIZE = dict(
 VARIANTS = {
     "standard": dict(qk_mode="standard"),
     "qk_norm": dict(qk_mode="qk_norm"),
+    # The QK-MAP layouts run the eager feature map, as every record before 2026-12-06 measured them (since then the
+    # default, qkmap_fused_feature_map=True, runs the fused CPU kernel where it is loaded: the "_fused" variants).
     # qkmap_input_dim of the compact layout: head_dim // (2F) of the size measured (variant_fields).
-    "qk_map_compact": dict(qk_mode="qk_map", qkmap_input_dim=32, qkmap_num_frequencies=1),
+    "qk_map_compact": dict(
+        qk_mode="qk_map", qkmap_input_dim=32, qkmap_num_frequencies=1, qkmap_fused_feature_map=False
+    ),
     # The wide layout keeping z for the backward pass, as every record before 2026-12-03 measured it (since then the
     # default, qkmap_recompute_projections=None, recomputes in the wide layout: qk_map_wide_recompute).
     "qk_map_wide": dict(
-        qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1, qkmap_recompute_projections=False
+        qk_mode="qk_map",
+        qkmap_input_dim=None,
+        qkmap_num_frequencies=1,
+        qkmap_recompute_projections=False,
+        qkmap_fused_feature_map=False,
     ),
     # The wide layout whose training recomputes q_proj/k_proj's outputs instead of keeping them.
     "qk_map_wide_recompute": dict(
-        qk_mode="qk_map", qkmap_input_dim=None, qkmap_num_frequencies=1, qkmap_recompute_projections=True
+        qk_mode="qk_map",
+        qkmap_input_dim=None,
+        qkmap_num_frequencies=1,
+        qkmap_recompute_projections=True,
+        qkmap_fused_feature_map=False,
     ),
 }
-# Each layout with its feature map compiled (qkmap_compile_feature_map): the same model, one config field apart.
+# Each layout with its feature map compiled (qkmap_compile_feature_map) or run by the fused CPU kernel
+# (qkmap_fused_feature_map, qkmap_hf/kernels): the same model, one config field apart.
 COMPILED_SUFFIX = "_compiled"
+FUSED_SUFFIX = "_fused"
+MAP_SUFFIXES = (COMPILED_SUFFIX, FUSED_SUFFIX)
 VARIANTS.update(
     {
-        f"{name}{COMPILED_SUFFIX}": {**VARIANTS[name], "qkmap_compile_feature_map": True}
+        f"{name}{suffix}": {**VARIANTS[name], field: True}
+        for suffix, field in ((COMPILED_SUFFIX, "qkmap_compile_feature_map"), (FUSED_SUFFIX, "qkmap_fused_feature_map"))
         for name in list(VARIANTS)
         if name.startswith("qk_map")
     }  # fmt: skip
 )
+
+
+def layout_of(variant: str) -> str:
+    """The layout a variant runs (``qk_map_wide_fused`` -> ``qk_map_wide``): how its map runs is its suffix."""
+    for suffix in MAP_SUFFIXES:
+        if variant.endswith(suffix):
+            return variant.removesuffix(suffix)
+    return variant
 
 
 # What a run measures unless --variants says otherwise: the arms the records were measured with. The recomputing
@@ -79,7 +104,7 @@ def variant_fields(variant: str, size: dict | None = None) -> dict:
     (``head_dim // (2F)``, no attention width added), so one table of variants serves every shape."""
     size = MODEL_SIZE if size is None else size
     fields = dict(VARIANTS[variant])
-    if variant.removesuffix(COMPILED_SUFFIX) == "qk_map_compact":
+    if layout_of(variant) == "qk_map_compact":
         fields["qkmap_input_dim"] = size["head_dim"] // (2 * fields["qkmap_num_frequencies"])
     return fields
 
@@ -93,10 +118,19 @@ def variant_config(variant: str, size: dict | None = None) -> QKMapConfig:
 def build(variant: str, device: str, dtype: torch.dtype, attn: str, size: dict | None = None) -> QKMapForCausalLM:
     torch.manual_seed(0)
     config = variant_config(variant, size)
+    if config.qk_mode == "qk_map" and config.qkmap_fused_feature_map and device == "cpu":
+        require_fused_kernel()
     model = QKMapForCausalLM(config).to(device=device, dtype=dtype)
     model.set_attn_implementation(attn)
     model.generation_config.eos_token_id = None
     return model
+
+
+def require_fused_kernel() -> None:
+    """Build and load the fused CPU kernel, or stop: a fused variant measured without it would time the eager map."""
+    status = load_fused_kernel(build=True)
+    if not status.loaded:
+        raise SystemExit(f"a _fused variant needs the fused CPU feature map: {status.reason}")
 
 
 def synchronize(device: str) -> None:

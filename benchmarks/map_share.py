@@ -43,7 +43,7 @@ from qkmap_hf.modeling.construction_qkmap import QKMapFeatureMap
 from qkmap_hf.training.sweep import paired_interval
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_overhead import COMPILED_SUFFIX, VARIANTS, WARMUP_REPEATS, build, timed  # noqa: E402
+from attention_overhead import VARIANTS, WARMUP_REPEATS, build, layout_of, timed  # noqa: E402
 from shape_grid import STANDARD, TARGETS, floor_ratio, grid_shapes, part_path, run_part, shape_label, write_csv  # noqa: E402
 
 DEFAULT_LAYOUTS = ("qk_map_wide", "qk_map_compact")
@@ -52,21 +52,20 @@ UNTIMED_STEPS = 2  # per model before the first repeat: allocator and thread-poo
 SUMMARY_FIELDS = (
     "shape", "hidden_size", "layers", "seq_len", "variant", "standard_ms", "step_ratio", "step_min", "step_max",
     "no_map_ratio", "no_map_min", "no_map_max", "floor_ratio", "map_cost", "map_cost_low", "map_cost_high",
-    "trig_share", "target", "repeats", "eager_variant", "compiled_saving", "compiled_saving_low",
-    "compiled_saving_high",
+    "trig_share", "target", "repeats", "eager_variant", "eager_saving", "eager_saving_low", "eager_saving_high",
 )  # fmt: skip
 
 
 def eager_of(variant: str, variants: list[str]) -> str | None:
-    """The eager layout a compiled one (``..._compiled``: ``qkmap_compile_feature_map``) is paired with, where both
-    are measured; None otherwise."""
-    base = variant.removesuffix(COMPILED_SUFFIX)
+    """The eager layout a compiled or fused one (``..._compiled``, ``..._fused``) is paired with, where both are
+    measured; None otherwise."""
+    base = layout_of(variant)
     return base if base != variant and base in variants else None
 
 
 def map_arms_variant(variant: str, variants: list[str]) -> str:
-    """Whose no-map and sin/cos arms a layout's row reads: a compiled layout's are its eager layout's where that is
-    measured too (the same model without its map, the same trig), so they are timed once."""
+    """Whose no-map and sin/cos arms a layout's row reads: a compiled or fused layout's are its eager layout's where
+    that is measured too (the same model without its map, the same trig), so they are timed once."""
     return eager_of(variant, variants) or variant
 
 
@@ -165,7 +164,7 @@ def per_repeat(raw: list[dict], arm: str) -> list[float]:
 
 def summarize(size: dict, seq_len: int, variants: list[str], raw: list[dict]) -> list[dict]:
     """One row per layout: step, no-map and sin/cos ratios to standard (per repeat), the map's paired cost; for a
-    compiled layout measured next to its eager one, what compiling saves, ``(eager - compiled) / standard`` paired."""
+    compiled or fused layout measured next to its eager one, what it saves, ``(eager - it) / standard`` paired."""
     standard = per_repeat(raw, STANDARD)
 
     def ratios(arm: str) -> list[float]:
@@ -199,9 +198,9 @@ def summarize(size: dict, seq_len: int, variants: list[str], raw: list[dict]) ->
                 target=TARGETS.get((variant, "train_tokens_per_s")),
                 repeats=len(standard),
                 eager_variant=eager,
-                compiled_saving=saving and saving["mean"],
-                compiled_saving_low=saving and saving["low"],
-                compiled_saving_high=saving and saving["high"],
+                eager_saving=saving and saving["mean"],
+                eager_saving_low=saving and saving["low"],
+                eager_saving_high=saving and saving["high"],
             )  # fmt: skip
         )
     return rows
@@ -214,9 +213,9 @@ def measured_case(args: argparse.Namespace, size: dict, seq_len: int) -> tuple[l
                 "device": args.device, "dtype": args.dtype}  # fmt: skip
     if path.exists():
         part = json.loads(path.read_text())
-        if part.get("settings") == settings:
+        if part.get("settings") == settings:  # summarized again: a part keeps its raw rows, the summary may change
             print(f"[map share] {shape_label(size)} T={seq_len}: done earlier ({path.name})", file=sys.stderr)
-            return part["raw"], part["summary"]
+            return part["raw"], summarize(size, seq_len, args.variants, part["raw"])
     print(f"[map share] {shape_label(size)} T={seq_len}", file=sys.stderr, flush=True)
     raw = run_part(measure_case, args, size, seq_len)
     summary = summarize(size, seq_len, args.variants, raw)
@@ -232,7 +231,7 @@ def _cell(value: float | None, digits: int = 3) -> str:
 def markdown(summary: list[dict]) -> str:
     lines = [
         "| case | layout | standard step | step [range] | no map [range] | FLOP floor | map's cost (95 % CI) | "
-        "sin/cos alone | target | compiling saves (95 % CI) |",
+        "sin/cos alone | target | saves against the eager map (95 % CI) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
@@ -240,10 +239,10 @@ def markdown(summary: list[dict]) -> str:
             f"[{_cell(row['map_cost_low'])}, {_cell(row['map_cost_high'])}]" if row["map_cost_low"] is not None else ""
         )
         saving = ""
-        if row.get("compiled_saving") is not None:
-            saving = f"{row['compiled_saving']:+.3f}"
-            if row["compiled_saving_low"] is not None:
-                saving += f" [{_cell(row['compiled_saving_low'])}, {_cell(row['compiled_saving_high'])}]"
+        if row.get("eager_saving") is not None:
+            saving = f"{row['eager_saving']:+.3f}"
+            if row["eager_saving_low"] is not None:
+                saving += f" [{_cell(row['eager_saving_low'])}, {_cell(row['eager_saving_high'])}]"
         lines.append(
             f"| {row['shape']} T = {row['seq_len']} | {row['variant']} | {row['standard_ms']:.1f} ms | "
             f"{row['step_ratio']:.3f}x [{row['step_min']:.2f}-{row['step_max']:.2f}] | "

@@ -43,9 +43,9 @@ from qkmap_hf.modeling.attention_qkmap import QKMapAttention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_overhead import (  # noqa: E402
-    COMPILED_SUFFIX,
     DECODE_CACHES,
     DEFAULT_VARIANTS,
+    MAP_SUFFIXES,
     MODEL_SIZE,
     PREFILL_CALLS,
     VARIANTS,
@@ -733,10 +733,10 @@ TARGETS = {
     ("qk_map_compact", "decode_ms_per_token"): 1.05,
     ("qk_map_compact", "activation_bytes"): 1.05,
 }
-# The recomputing wide layout is the wide layout, and a compiled map is its layout (one config field apart each): they
-# answer to the same targets.
+# The recomputing wide layout is the wide layout, and a compiled or fused map is its layout (one config field apart
+# each): they answer to the same targets.
 TARGETS.update({("qk_map_wide_recompute", m): target for (v, m), target in list(TARGETS.items()) if v == "qk_map_wide"})
-TARGETS.update({(f"{v}{COMPILED_SUFFIX}", m): target for (v, m), target in list(TARGETS.items())})
+TARGETS.update({(f"{v}{suffix}", m): target for (v, m), target in list(TARGETS.items()) for suffix in MAP_SUFFIXES})
 FLOOR_SLACK = 1.03
 
 

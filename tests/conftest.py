@@ -9,8 +9,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The hostile-input tests' shared fixtures (a tiny Llama folder, a damageable copy of it) live with their helpers, the
-# compiled feature map's (fresh compiled expressions, the calls they answered) in tests/compiled.py.
-pytest_plugins = ["tests.hostile", "tests.compiled"]
+# compiled feature map's (fresh compiled expressions, the calls they answered) in tests/compiled.py, the fused kernel's in
+# tests/fused.py.
+pytest_plugins = ["tests.hostile", "tests.compiled", "tests.fused"]
 
 
 @pytest.fixture(autouse=True)

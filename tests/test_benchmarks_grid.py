@@ -12,13 +12,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import shape_grid  # noqa: E402
-from attention_overhead import COMPILED_SUFFIX, variant_config  # noqa: E402
+from attention_overhead import layout_of, variant_config  # noqa: E402
 
 from qkmap_hf import QKMapForCausalLM  # noqa: E402
 
-# The variants the tiny grids measure: every one but the compiled maps, which compile on their first call (seconds
-# each, most of this file's time when they were in); test_a_compiled_variant_is_measured_in_the_grid takes one.
-EAGER_VARIANTS = tuple(variant for variant in shape_grid.VARIANTS if not variant.endswith(COMPILED_SUFFIX))
+# The variants the tiny grids measure: every one but the compiled and fused maps (the compiled ones compile on their
+# first call, seconds each, most of this file's time when they were in); test_a_compiled_variant_is_measured_in_the_grid
+# and test_a_fused_variant_is_measured_in_the_grid take one each.
+EAGER_VARIANTS = tuple(variant for variant in shape_grid.VARIANTS if layout_of(variant) == variant)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,22 @@ def test_a_compiled_variant_is_measured_in_the_grid(tmp_path, compiled_calls) ->
     assert all(math.isfinite(r["cost_ratio"]) and r["cost_ratio"] > 0 for r in rows.values())
     # Its training ran the compiled map both ways, not the eager fall-back.
     assert {"_expression_query_key_features", "_expression_query_key_gradients"} <= set(compiled_calls)
+
+
+def test_a_fused_variant_is_measured_in_the_grid(tmp_path, fused_calls) -> None:
+    summary = run_tiny_grid(tmp_path, "--in-process", "--variants", "standard", "qk_map_compact_fused")[0]
+    rows = {r["metric"]: r for r in summary if r["variant"] == "qk_map_compact_fused"}
+    assert set(rows) == set(shape_grid.COLUMNS) - {"attention_kernel_ms"}
+    assert all(math.isfinite(r["cost_ratio"]) and r["cost_ratio"] > 0 for r in rows.values())
+    assert rows["train_tokens_per_s"]["floor_ratio"] == pytest.approx(
+        shape_grid.floor_ratio(shape_grid.shape_size(16, 4, 4, 1), "qk_map_compact", "train_tokens_per_s", 8)
+    )
+    assert (
+        shape_grid.TARGETS[("qk_map_compact_fused", "train_tokens_per_s")]
+        == shape_grid.TARGETS[("qk_map_compact", "train_tokens_per_s")]
+    )
+    # Its training, prefill and decoding ran the fused kernel both ways, not the eager map.
+    assert {"features", "feature_gradients"} <= set(fused_calls)
 
 
 def test_wide_kv_bytes_per_token_follow_the_cached_widths(grid) -> None:

@@ -109,31 +109,33 @@ def test_the_summary_pairs_each_repeat_with_standard() -> None:
     )
 
 
-def test_a_compiled_layout_is_paired_with_its_eager_one_and_reads_its_no_map_arms() -> None:
-    """``qk_map_wide_compiled`` next to ``qk_map_wide``: no no-map or sin/cos arms of its own (the same model without
-    its map, the same trig), and what compiling saves is the mean paired ``(eager - compiled) / standard``."""
+@pytest.mark.parametrize("suffix", ["_compiled", "_fused"])
+def test_a_compiled_or_fused_layout_is_paired_with_its_eager_one_and_reads_its_no_map_arms(suffix) -> None:
+    """``qk_map_wide_compiled`` (or ``_fused``) next to ``qk_map_wide``: no no-map or sin/cos arms of its own (the same
+    model without its map, the same trig), and what it saves is the mean paired ``(eager - it) / standard``."""
     standard = [0.10, 0.20, 0.10]
-    eager, compiled, no_map, trig = [0.13, 0.28, 0.12], [0.12, 0.24, 0.115], [0.11, 0.22, 0.105], [0.01, 0.02, 0.01]
+    eager, faster, no_map, trig = [0.13, 0.28, 0.12], [0.12, 0.24, 0.115], [0.11, 0.22, 0.105], [0.01, 0.02, 0.01]
+    other = f"qk_map_wide{suffix}"
     raw = []
-    for arm, times in (("standard", standard), ("qk_map_wide", eager), ("qk_map_wide_compiled", compiled),
+    for arm, times in (("standard", standard), ("qk_map_wide", eager), (other, faster),
                        ("qk_map_wide, no map", no_map), ("qk_map_wide, sin/cos", trig)):  # fmt: skip
         raw += [{"arm": arm, "repeat": i, "seconds": t} for i, t in enumerate(times)]
-    variants = ["qk_map_wide", "qk_map_wide_compiled"]
+    variants = ["qk_map_wide", other]
     assert [map_share.map_arms_variant(v, variants) for v in variants] == ["qk_map_wide", "qk_map_wide"]
-    assert map_share.map_arms_variant("qk_map_wide_compiled", ["qk_map_wide_compiled"]) == "qk_map_wide_compiled"
-    eager_row, compiled_row = map_share.summarize(SIZE, T, variants, raw)
-    assert eager_row["compiled_saving"] is None and eager_row["eager_variant"] is None
-    assert compiled_row["eager_variant"] == "qk_map_wide"
-    assert compiled_row["no_map_ratio"] == eager_row["no_map_ratio"]
-    saving = [(a - b) / s for a, b, s in zip(eager, compiled, standard, strict=True)]
-    assert compiled_row["compiled_saving"] == pytest.approx(sum(saving) / 3)
-    assert compiled_row["compiled_saving_low"] < compiled_row["compiled_saving"] < compiled_row["compiled_saving_high"]
-    assert compiled_row["target"] == 1.22
-    table = map_share.markdown([eager_row, compiled_row])
+    assert map_share.map_arms_variant(other, [other]) == other
+    eager_row, faster_row = map_share.summarize(SIZE, T, variants, raw)
+    assert eager_row["eager_saving"] is None and eager_row["eager_variant"] is None
+    assert faster_row["eager_variant"] == "qk_map_wide"
+    assert faster_row["no_map_ratio"] == eager_row["no_map_ratio"]
+    saving = [(a - b) / s for a, b, s in zip(eager, faster, standard, strict=True)]
+    assert faster_row["eager_saving"] == pytest.approx(sum(saving) / 3)
+    assert faster_row["eager_saving_low"] < faster_row["eager_saving"] < faster_row["eager_saving_high"]
+    assert faster_row["target"] == 1.22
+    table = map_share.markdown([eager_row, faster_row])
     assert table.splitlines()[2].endswith("| 1.22 |  |")
     assert table.splitlines()[3].endswith(
-        f"| {compiled_row['compiled_saving']:+.3f} [{compiled_row['compiled_saving_low']:.3f}, "
-        f"{compiled_row['compiled_saving_high']:.3f}] |"
+        f"| {faster_row['eager_saving']:+.3f} [{faster_row['eager_saving_low']:.3f}, "
+        f"{faster_row['eager_saving_high']:.3f}] |"
     )
 
 

@@ -61,10 +61,13 @@ def test_compiled_query_key_and_projected_nodes_equal_the_eager_ones_in_float64(
 def test_a_model_with_the_compiled_map_trains_and_decodes_like_the_eager_one(compiled_calls):
     """float32 training step of the wide layout (its default recomputing node; the compact layout's node is the
     query/key one, checked above) and greedy decoding: the loss and every gradient of the eager map up to float
-    rounding; decoding's one-token steps keep the eager path."""
-    config = QKMapConfig(qk_mode="qk_map", **tiny_config_kwargs())
+    rounding; decoding's one-token steps keep the eager path. The fused CPU kernel is off in both: on a CPU it comes
+    before the compiled map."""
+    config = QKMapConfig(qk_mode="qk_map", qkmap_fused_feature_map=False, **tiny_config_kwargs())
     eager = QKMapForCausalLM(config).eval()
-    compiled_config = QKMapConfig(qk_mode="qk_map", qkmap_compile_feature_map=True, **tiny_config_kwargs())
+    compiled_config = QKMapConfig(
+        qk_mode="qk_map", qkmap_compile_feature_map=True, qkmap_fused_feature_map=False, **tiny_config_kwargs()
+    )
     compiled = QKMapForCausalLM(compiled_config).eval()
     compiled.load_state_dict(eager.state_dict())
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))

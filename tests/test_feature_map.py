@@ -44,7 +44,7 @@ def test_custom_backward_passes_gradcheck_in_float64(heads, kv_heads, num_freq, 
     width = 4 if freq_width > 1 else 1
     inputs = random_inputs(heads, kv_heads, num_freq, width, m=4, seq=3, batch=1, tables_need_grad=heads == 4)
     assert torch.autograd.gradcheck(
-        lambda *tensors: QKMapFeatureFunction.apply(*tensors, rotate_cos_blocks, False),
+        lambda *tensors: QKMapFeatureFunction.apply(*tensors, rotate_cos_blocks, False, False),
         inputs,
         eps=1e-6,
         atol=1e-8,
@@ -183,7 +183,7 @@ def test_query_key_node_passes_gradcheck_and_equals_two_single_nodes(
     """The one-node map of queries and keys: float64 gradcheck, and the gradients of two separate nodes."""
     inputs = query_key_inputs(heads, kv_heads, num_freq, 4 if freq_width > 1 else 1, tables_need_grad=heads == 4)
     assert torch.autograd.gradcheck(
-        lambda *tensors: QKMapQueryKeyFunction.apply(*tensors, rotate_cos_blocks, False),
+        lambda *tensors: QKMapQueryKeyFunction.apply(*tensors, rotate_cos_blocks, False, False),
         inputs,
         eps=1e-6,
         atol=1e-8,
@@ -348,7 +348,7 @@ def test_projected_node_passes_gradcheck_and_equals_projections_then_the_map(
     gradients for every input (layer input, weights, biases, omega, gains) up to float rounding."""
     inputs = projection_inputs(heads, kv_heads, num_freq, 4 if freq_width > 1 else 1, bias=heads != 4)
     assert torch.autograd.gradcheck(
-        lambda *tensors: QKMapProjectedQueryKeyFunction.apply(*tensors, 4, rotate_cos_blocks, False),
+        lambda *tensors: QKMapProjectedQueryKeyFunction.apply(*tensors, 4, rotate_cos_blocks, False, False),
         inputs,
         eps=1e-6,
         atol=1e-8,

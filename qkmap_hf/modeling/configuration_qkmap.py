@@ -93,6 +93,12 @@ class QKMapConfig(LlamaConfig):
       (docs/performance.md: the map's cost in a training step, eager against compiled). Off by default: the first
       call of each shape compiles (seconds), and inductor needs a C++ compiler on a CPU; where compiling fails the
       model warns once and runs the eager map. Values equal the eager map's up to float rounding.
+    - ``qkmap_fused_feature_map``: on a CPU, run the feature map (training, prefill and decoding) as one fused kernel,
+      a pass over memory each way instead of ~20 elementwise ops (docs/performance.md: "The fused feature map on
+      CPUs"), wherever it is loaded: ``import qkmap_hf`` loads this machine's build (``qkmap kernels`` builds it;
+      setup and training on a CPU do too). Where it is not loaded (a checkpoint used without qkmap_hf, no C++
+      compiler), and for float64 or GPU tensors, the eager map (or the compiled one) runs. On by default; values
+      equal the eager map's up to float rounding. It comes before ``qkmap_compile_feature_map`` where both apply.
 
     Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
 
@@ -124,6 +130,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_cos_block: str = "phase"
     qkmap_recompute_projections: bool | None = None
     qkmap_compile_feature_map: bool = False
+    qkmap_fused_feature_map: bool = True
     logit_scale_multiplier: float = 1.0
     qk_position_prior: str = "none"
 

@@ -111,8 +111,9 @@ class QKMapFeatureMap(nn.Module):
         rotate = self.config.qkmap_rotate_cos_blocks
         if query.shape[-2] == 1 and self.cos_blocks.stacks_decoding and self.parameters_are_constant(query):
             stacked = self.decoding_parameters(query.shape[1] // key.shape[1])
-            return one_token_query_key_features(query, key, *stacked, cos, sin, rotate)
-        return self.cos_blocks.features(rotate, query, key, *self.map_parameters(), cos, sin, self.compiles())
+            return one_token_query_key_features(query, key, *stacked, cos, sin, rotate, self.fuses())
+        parameters = self.map_parameters()
+        return self.cos_blocks.features(rotate, query, key, *parameters, cos, sin, self.compiles(), self.fuses())
 
     def project(
         self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -123,13 +124,18 @@ class QKMapFeatureMap(nn.Module):
             return None
         return qkmap_projected_query_key_features(
             hidden_states, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, *self.map_parameters(), cos, sin,
-            self.config.qkmap_rotate_cos_blocks, self.compiles(),
+            self.config.qkmap_rotate_cos_blocks, self.compiles(), self.fuses(),
         )  # fmt: skip
 
     def compiles(self) -> bool:
         """Whether the map runs as compiled expressions (``qkmap_compile_feature_map``; a config saved before the
         field existed has it off)."""
         return getattr(self.config, "qkmap_compile_feature_map", False)
+
+    def fuses(self) -> bool:
+        """Whether the map runs the fused CPU kernel where it is loaded (``qkmap_fused_feature_map``; a config saved
+        before the field existed has the field's default)."""
+        return getattr(self.config, "qkmap_fused_feature_map", True)
 
     def recomputes_projections(self, q_proj: nn.Module, k_proj: nn.Module, hidden_states: torch.Tensor) -> bool:
         """Whether a training forward pass maps ``q_proj``/``k_proj``'s outputs in one recomputing node: asked for

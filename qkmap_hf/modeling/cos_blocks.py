@@ -33,8 +33,9 @@ class PhaseCosBlocks:
         cos: torch.Tensor,
         sin: torch.Tensor,
         compiled: bool = False,
+        fused: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate, compiled)
+        return qkmap_query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate, compiled, fused)
 
 
 class ConstantCosBlocks(PhaseCosBlocks):
@@ -46,10 +47,10 @@ class ConstantCosBlocks(PhaseCosBlocks):
     stacks_decoding = False
 
     @classmethod
-    def features(cls, rotate, query, key, frequency, query_gain, key_gain, cos, sin, compiled=False):
+    def features(cls, rotate, query, key, frequency, query_gain, key_gain, cos, sin, compiled=False, fused=True):
         sine_rows = cls.sine_rows(query_gain)
         query_features, key_features = qkmap_query_key_features(
-            query, key, frequency, query_gain * sine_rows, key_gain * sine_rows, cos, sin, rotate, compiled
+            query, key, frequency, query_gain * sine_rows, key_gain * sine_rows, cos, sin, rotate, compiled, fused
         )
         groups = query.shape[1] // key.shape[1]
         return (

@@ -339,8 +339,76 @@ def _runs_compiled(compiled: bool, z: torch.Tensor) -> bool:
     return compiled and z.shape[-2] > 1
 
 
-def _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool) -> torch.Tensor:
-    """The forward pass of ``phi``: the compiled expression when asked for and it runs, else the eager ``_features``."""
+# The fused CPU kernel (qkmap_hf/kernels/feature_map_cpu.cpp): the map in one pass over memory each way. These files
+# import only torch, so they look its ops up in ``torch.ops``; ``import qkmap_hf`` registers them where this machine
+# has built them (``qkmap kernels``). The name carries the ops' version: a checkpoint's copy of this file calls only
+# the ops it was written for, and runs the eager map where they are missing.
+FUSED_NAMESPACE = "qkmap_v1"
+# Dtypes of ``z`` the fused kernel takes (it computes in float32, as the eager map does for these); float64 stays eager.
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FusedOps:
+    """``torch.ops.qkmap_v1`` where its ops are registered, else None. Looked up again only when a library has been
+    loaded since the last call (``torch.ops.loaded_libraries``): a failed lookup costs a registry search each time."""
+
+    def __init__(self):
+        self.libraries_seen = -1
+        self.ops = None
+
+    def __call__(self):
+        libraries = len(torch.ops.loaded_libraries)
+        if libraries != self.libraries_seen:
+            namespace = getattr(torch.ops, FUSED_NAMESPACE)
+            found = all(hasattr(namespace, name) for name in ("features", "feature_gradients"))
+            self.ops, self.libraries_seen = (namespace if found else None), libraries
+        return self.ops
+
+
+FUSED_OPS = FusedOps()
+
+
+def _runs_fused(fused: bool, z: torch.Tensor) -> bool:
+    """Whether a call runs the fused kernel: asked for, a CPU tensor of a dtype it takes, not inside
+    ``torch.compile`` (which traces the plain expressions instead), and its ops registered."""
+    return (
+        fused
+        and z.device.type == "cpu"
+        and z.dtype in FUSED_DTYPES
+        and not torch.compiler.is_compiling()
+        and FUSED_OPS() is not None
+    )
+
+
+def _fused_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool) -> torch.Tensor:
+    """``_features`` by the fused kernel: ``(batch, heads, seq, 2F*m)`` in ``z.dtype``, a view of a token-major buffer
+    as the eager map's output is."""
+    f32 = torch.float32
+    inputs = (_cast(tensor, f32) for tensor in (z, frequency, gain, cos, sin))
+    return _cast(FUSED_OPS().features(*inputs, rotate_cos_blocks), z.dtype)
+
+
+def _fused_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, needs) -> tuple:
+    """``_feature_gradients`` for ``z``, omega and the gains by the fused kernel; ``needs`` as there, the RoPE
+    tables' gradients (its last two) not asked for."""
+    f32 = torch.float32
+    inputs = (_cast(tensor, f32) for tensor in (grad_output, z, frequency, gain, cos, sin))
+    grads = FUSED_OPS().feature_gradients(*inputs, rotate_cos_blocks)
+    return (
+        *(
+            _cast(grad, like.dtype) if need else None
+            for grad, like, need in zip(grads, (z, frequency, gain), needs, strict=True)
+        ),
+        None,
+        None,
+    )
+
+
+def _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool, fused: bool) -> torch.Tensor:
+    """The forward pass of ``phi``: the fused kernel where it runs, else the compiled expression when asked for and it
+    runs, else the eager ``_features``."""
+    if _runs_fused(fused, z):
+        return _fused_features(z, frequency, gain, cos, sin, rotate_cos_blocks)
     if _runs_compiled(compiled, z):
         features = COMPILED_FEATURES(z, frequency, gain, cos, sin, rotate_cos_blocks)
         if features is not None:
@@ -348,8 +416,13 @@ def _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compile
     return _features(z, frequency, gain, cos, sin, rotate_cos_blocks)
 
 
-def _map_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, needs, compiled: bool) -> tuple:
-    """``_feature_gradients``, from the compiled expression when asked for and the RoPE tables need no gradient."""
+def _map_gradients(
+    grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, needs, compiled: bool, fused: bool
+) -> tuple:
+    """``_feature_gradients``, from the fused kernel or the compiled expression (in that order, where they run) when
+    the RoPE tables need no gradient."""
+    if any(needs[:3]) and not any(needs[3:]) and _runs_fused(fused, z):
+        return _fused_gradients(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks, needs[:3])
     if any(needs[:3]) and not any(needs[3:]) and _runs_compiled(compiled, z):
         grads = COMPILED_GRADIENTS(grad_output, z, frequency, gain, cos, sin, rotate_cos_blocks, tuple(needs[:3]))
         if grads is not None:
@@ -370,19 +443,20 @@ def _add(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tenso
 class QKMapFeatureFunction(torch.autograd.Function):
     """``phi`` with a recomputing backward pass: saves ``z``, ``omega``, gains and the RoPE tables only.
 
-    ``compiled``: both passes run the compiled expressions (``qkmap_compile_feature_map``)."""
+    ``compiled``: both passes run the compiled expressions (``qkmap_compile_feature_map``); ``fused``: the fused CPU
+    kernel where it runs (``qkmap_fused_feature_map``)."""
 
     @staticmethod
-    def forward(ctx, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
+    def forward(ctx, z, frequency, gain, cos, sin, rotate_cos_blocks: bool, compiled: bool, fused: bool):
         ctx.save_for_backward(z, frequency, gain, cos, sin)
-        ctx.rotate_cos_blocks, ctx.compiled = rotate_cos_blocks, compiled
-        return _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks, compiled)
+        ctx.rotate_cos_blocks, ctx.compiled, ctx.fused = rotate_cos_blocks, compiled, fused
+        return _map_features(z, frequency, gain, cos, sin, rotate_cos_blocks, compiled, fused)
 
     @staticmethod
     def backward(ctx, grad_output):
         needs = ctx.needs_input_grad[:5]
-        grads = _map_gradients(grad_output, *ctx.saved_tensors, ctx.rotate_cos_blocks, needs, ctx.compiled)
-        return *grads, None, None
+        grads = _map_gradients(grad_output, *ctx.saved_tensors, ctx.rotate_cos_blocks, needs, ctx.compiled, ctx.fused)
+        return *grads, None, None, None
 
 
 class QKMapQueryKeyFunction(torch.autograd.Function):
@@ -393,21 +467,33 @@ class QKMapQueryKeyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
+    def forward(
+        ctx, query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool, fused: bool
+    ):
         ctx.save_for_backward(query, key, frequency, query_gain, key_gain, cos, sin)
-        ctx.rotate_cos_blocks, ctx.compiled = rotate_cos_blocks, compiled
-        return _query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled)
+        ctx.rotate_cos_blocks, ctx.compiled, ctx.fused = rotate_cos_blocks, compiled, fused
+        return _query_key_features(
+            query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled, fused
+        )
 
     @staticmethod
     def backward(ctx, grad_query, grad_key):
         grads = _query_key_gradients(
-            grad_query, grad_key, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad, ctx.compiled
+            grad_query, grad_key, *ctx.saved_tensors, ctx.rotate_cos_blocks, ctx.needs_input_grad, ctx.compiled,
+            ctx.fused,
+        )  # fmt: skip
+        return *grads, None, None, None
+
+
+def _query_key_features(
+    query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool, fused: bool
+):
+    """The forward pass of ``QKMapQueryKeyFunction`` (no autograd node): both maps, fused or compiled where asked for."""
+    if _runs_fused(fused, query):
+        return (
+            _fused_features(query, frequency, query_gain, cos, sin, rotate_cos_blocks),
+            _fused_features(key, frequency, key_gain, cos, sin, rotate_cos_blocks),
         )
-        return *grads, None, None
-
-
-def _query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks: bool, compiled: bool):
-    """The forward pass of ``QKMapQueryKeyFunction`` (no autograd node): both maps, compiled when asked for."""
     if _runs_compiled(compiled, query):
         features = COMPILED_QUERY_KEY_FEATURES(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks)
         if features is not None:
@@ -419,13 +505,15 @@ def _query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, r
 
 
 def _query_key_gradients(
-    grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, needs, compiled: bool
-):
+    grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, needs, compiled: bool,
+    fused: bool,
+):  # fmt: skip
     """Gradients of ``QKMapQueryKeyFunction`` for its seven tensor inputs; ``needs`` in that order."""
     need_q, need_k, need_frequency, need_q_gain, need_k_gain, need_cos, need_sin = needs[:7]
     query_needs = (need_q, need_frequency, need_q_gain, need_cos, need_sin)
     key_needs = (need_k, need_frequency, need_k_gain, need_cos, need_sin)
-    if not (need_cos or need_sin) and any(query_needs) and any(key_needs) and _runs_compiled(compiled, query):
+    compiles = _runs_compiled(compiled, query) and not _runs_fused(fused, query)
+    if not (need_cos or need_sin) and any(query_needs) and any(key_needs) and compiles:
         grads = COMPILED_QUERY_KEY_GRADIENTS(
             grad_query, grad_key, query, key, frequency, query_gain, key_gain, cos, sin, rotate, query_needs[:3],
             key_needs[:3],
@@ -433,10 +521,10 @@ def _query_key_gradients(
         if grads is not None:
             return *grads, None, None
     grad_q, freq_q, gain_q, cos_q, sin_q = _map_gradients(
-        grad_query, query, frequency, query_gain, cos, sin, rotate, query_needs, compiled
+        grad_query, query, frequency, query_gain, cos, sin, rotate, query_needs, compiled, fused
     )
     grad_k, freq_k, gain_k, cos_k, sin_k = _map_gradients(
-        grad_key, key, frequency, key_gain, cos, sin, rotate, key_needs, compiled
+        grad_key, key, frequency, key_gain, cos, sin, rotate, key_needs, compiled, fused
     )
     return grad_q, grad_k, _add(freq_q, freq_k), gain_q, gain_k, _add(cos_q, cos_k), _add(sin_q, sin_k)
 
@@ -473,14 +561,16 @@ class QKMapProjectedQueryKeyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin,
-                width: int, rotate_cos_blocks: bool, compiled: bool):  # fmt: skip
+                width: int, rotate_cos_blocks: bool, compiled: bool, fused: bool):  # fmt: skip
         ctx.save_for_backward(
             hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin
         )
-        ctx.width, ctx.rotate_cos_blocks, ctx.compiled = width, rotate_cos_blocks, compiled
+        ctx.width, ctx.rotate_cos_blocks, ctx.compiled, ctx.fused = width, rotate_cos_blocks, compiled, fused
         query = _project(hidden, query_weight, query_bias, width)
         key = _project(hidden, key_weight, key_bias, width)
-        return _query_key_features(query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled)
+        return _query_key_features(
+            query, key, frequency, query_gain, key_gain, cos, sin, rotate_cos_blocks, compiled, fused
+        )
 
     @staticmethod
     def backward(ctx, grad_query, grad_key):
@@ -493,11 +583,11 @@ class QKMapProjectedQueryKeyFunction(torch.autograd.Function):
         key = _project(hidden, key_weight, key_bias, ctx.width) if need_key or need_k_gain or both else None
         grad_q, grad_k, *grads = _query_key_gradients(
             grad_query, grad_key, query, key, *shared, ctx.rotate_cos_blocks, (need_query, need_key, *needs[5:10]),
-            ctx.compiled,
+            ctx.compiled, ctx.fused,
         )  # fmt: skip
         hidden_q, *query_grads = _projection_gradients(grad_q, hidden, query_weight, (needs[0], *needs[1:3]))
         hidden_k, *key_grads = _projection_gradients(grad_k, hidden, key_weight, (needs[0], *needs[3:5]))
-        return _add(hidden_q, hidden_k), *query_grads, *key_grads, *grads, None, None, None
+        return _add(hidden_q, hidden_k), *query_grads, *key_grads, *grads, None, None, None, None
 
 
 def qkmap_features(
@@ -508,6 +598,7 @@ def qkmap_features(
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
     compiled: bool = False,
+    fused: bool = True,
 ) -> torch.Tensor:
     """Map projected queries or keys to RoPE-rotated periodic features, ``phi`` of docs/method.md.
 
@@ -518,6 +609,8 @@ def qkmap_features(
         cos, sin: ``(batch or 1, seq, m)`` RoPE tables for dimension ``m``.
         rotate_cos_blocks: rotate the cos blocks with RoPE like the sin blocks (False: cos blocks unrotated).
         compiled: run the map as ``torch.compile``-fused expressions (``qkmap_compile_feature_map``; ``CompiledExpression``).
+        fused: run the fused CPU kernel where it is loaded and takes the input (``qkmap_fused_feature_map``;
+            ``FUSED_OPS``); it comes before ``compiled``.
 
     Returns ``(batch, heads, seq, 2F*m)`` in ``z.dtype``. Phases, cos/sin and the rotation run in float32
     (float64 inputs stay float64); one broadcasted expression, no loop over blocks. When gradients are needed
@@ -525,8 +618,8 @@ def qkmap_features(
     """
     inputs = (z, frequency, gain, cos, sin)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
-        return QKMapFeatureFunction.apply(*inputs, rotate_cos_blocks, compiled)
-    return _map_features(*inputs, rotate_cos_blocks, compiled)
+        return QKMapFeatureFunction.apply(*inputs, rotate_cos_blocks, compiled, fused)
+    return _map_features(*inputs, rotate_cos_blocks, compiled, fused)
 
 
 def qkmap_query_key_features(
@@ -539,6 +632,7 @@ def qkmap_query_key_features(
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
     compiled: bool = False,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qkmap_features(query, ...), qkmap_features(key, ...))`` with one autograd node for both.
 
@@ -546,12 +640,12 @@ def qkmap_query_key_features(
     """
     inputs = (query, key, frequency, query_gain, key_gain, cos, sin)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
-        return QKMapQueryKeyFunction.apply(*inputs, rotate_cos_blocks, compiled)
+        return QKMapQueryKeyFunction.apply(*inputs, rotate_cos_blocks, compiled, fused)
     if query.shape[-2] == 1:
         groups = query.shape[1] // key.shape[1]
         stacked = stack_query_key_parameters(frequency, query_gain, key_gain, groups)
-        return one_token_query_key_features(query, key, *stacked, cos, sin, rotate_cos_blocks)
-    return _query_key_features(*inputs, rotate_cos_blocks, compiled)
+        return one_token_query_key_features(query, key, *stacked, cos, sin, rotate_cos_blocks, fused)
+    return _query_key_features(*inputs, rotate_cos_blocks, compiled, fused)
 
 
 def qkmap_projected_query_key_features(
@@ -567,6 +661,7 @@ def qkmap_projected_query_key_features(
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
     compiled: bool = False,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qkmap_query_key_features`` of ``hidden``'s query and key projections (``linear(hidden, weight, bias)``
     viewed as ``(batch, heads, seq, m)``), in one node that recomputes the projections in the backward pass instead
@@ -574,7 +669,7 @@ def qkmap_projected_query_key_features(
     width = query_gain.shape[-1]
     return QKMapProjectedQueryKeyFunction.apply(
         hidden, query_weight, query_bias, key_weight, key_bias, frequency, query_gain, key_gain, cos, sin, width,
-        rotate_cos_blocks, compiled,
+        rotate_cos_blocks, compiled, fused,
     )  # fmt: skip
 
 
@@ -600,6 +695,7 @@ def one_token_query_key_features(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rotate_cos_blocks: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoding (one token, no gradients): queries and keys as the heads of one call.
 
@@ -609,7 +705,10 @@ def one_token_query_key_features(
     """
     heads = query.shape[1]
     z = torch.cat((query, key), dim=1)
-    features = _one_token_features(z, stacked_frequency, stacked_gain, cos, sin, rotate_cos_blocks)
+    if _runs_fused(fused, z):  # the stacked rows are the kernel's per-head rows (one head per row of frequencies)
+        features = _fused_features(z, stacked_frequency, stacked_gain.flatten(1, 2), cos, sin, rotate_cos_blocks)
+    else:
+        features = _one_token_features(z, stacked_frequency, stacked_gain, cos, sin, rotate_cos_blocks)
     return features.split((heads, key.shape[1]), dim=1)
 
 

@@ -28,6 +28,7 @@ from transformers import default_data_collator
 
 from ..fileio import atomic_write_json, staged_folder
 from ..filenames import SAFETENSORS_INDEX_NAME
+from ..kernels import load_fused_kernel
 from ..monitoring import DivergenceGuard, TrainingMonitor, plot_monitor, probe_batch
 from ..provenance import PROVENANCE_FILES, TrainingRecord
 from ..safety import folder_writer, load_checked_config, named_config_errors, tokenizer_file
@@ -400,6 +401,8 @@ def train(
     train_dataset, eval_dataset, data_stats = datasets
     has_eval = eval_dataset is not None and len(eval_dataset) > 0
 
+    if not torch.cuda.is_available():  # a CPU run trains with the fused feature map, built once per machine
+        load_fused_kernel(build=True)
     model = build_model(options, tokenizer, resolved["block_size"])
     if options.lora:
         from .peft_support import apply_lora

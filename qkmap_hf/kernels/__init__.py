@@ -1,0 +1,179 @@
+"""The fused CPU feature map (``feature_map_cpu.cpp``): built once per machine, loaded into ``torch.ops``.
+
+The model files (``qkmap_hf/modeling``, copied into every checkpoint) import only torch: they run the fused kernel
+wherever ``torch.ops.qkmap_v1`` is registered and the eager map elsewhere (``feature_map_qkmap.FUSED_OPS``). This
+module registers it. ``load_fused_kernel`` loads the build of this source for this torch from the per-machine cache
+(``$QKMAP_HF_CACHE/kernels``), compiling it first when asked (a C++ compiler, about 5 s). ``import qkmap_hf`` loads an
+existing build and never compiles; ``qkmap kernels``, ``scripts/setup.sh`` and training on a CPU build it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..assets import cache_root
+from ..fileio import atomic_path
+from ..modeling.feature_map_qkmap import FUSED_NAMESPACE, FUSED_OPS
+
+SOURCE = Path(__file__).with_name("feature_map_cpu.cpp")
+COMPILER_ENV = "CXX"
+BUILD_TIMEOUT_S = 600
+# torch's CPU capability -> the instruction sets ATen's vector types are compiled for (as inductor compiles them).
+CAPABILITY_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+
+
+class KernelBuildError(OSError):
+    """The fused kernel could not be built on this machine; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the fused CPU feature map is registered in this process, from which file, and if not, why."""
+
+    loaded: bool
+    path: Path
+    reason: str = ""
+    build_seconds: float | None = None
+
+    def line(self) -> str:
+        if self.loaded:
+            built = f" (built in {self.build_seconds:.1f} s)" if self.build_seconds is not None else ""
+            return f"fused CPU feature map: torch.ops.{FUSED_NAMESPACE} loaded from {self.path}{built}"
+        return f"fused CPU feature map: not loaded ({self.reason}); the eager feature map runs"
+
+
+def compiler() -> str | None:
+    """The C++ compiler (``$CXX``, else ``c++``) as a path, or None where there is none."""
+    return shutil.which(os.environ.get(COMPILER_ENV) or "c++")
+
+
+def compile_flags() -> list[str]:
+    """Flags of the build: optimisation, torch's C++ ABI, OpenMP for ``at::parallel_for``, the CPU's vector ISA.
+    No FMA contraction, so products round as the eager map's separate multiplies and adds do."""
+    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
+    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+    return flags + CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+
+
+def compile_command(output: Path, cxx: str) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    torch_lib = library_paths()[0]
+    includes = [f"-I{path}" for path in include_paths()]
+    return [cxx, *compile_flags(), *includes, str(SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+            f"-Wl,-rpath,{torch_lib}", "-o", str(output)]  # fmt: skip
+
+
+def kernel_path() -> Path:
+    """Where this source's build for this torch and CPU lives: the name hashes the source, torch's version and the
+    flags, so an upgrade of either builds anew instead of loading a library built against another ABI."""
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((torch.__version__, compile_flags())).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"qkmap_feature_map_cpu-{key}.so"
+
+
+def build_fused_kernel(path: Path | None = None) -> Path:
+    """Compile the kernel into ``path`` (default ``kernel_path()``), atomically: a failed or killed build leaves no
+    file that looks complete. Raises ``KernelBuildError`` naming the compiler's first error."""
+    path = kernel_path() if path is None else Path(path)
+    cxx = compiler()
+    if cxx is None:
+        asked = os.environ.get(COMPILER_ENV)
+        where = f"{COMPILER_ENV}={asked!r} is not a program" if asked else "c++ is not on PATH"
+        raise KernelBuildError(
+            f"no C++ compiler found ({where}): install g++ (Debian: apt-get install g++) or set {COMPILER_ENV} to build "
+            "the fused CPU feature map; the eager feature map runs meanwhile."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as staging:
+        try:
+            result = subprocess.run(
+                compile_command(staging, cxx), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired as error:
+            raise KernelBuildError(f"{cxx} did not finish building {SOURCE.name} in {BUILD_TIMEOUT_S} s") from error
+        if result.returncode != 0:
+            errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
+            first = errors[0].strip() if errors else f"exit status {result.returncode}"
+            raise KernelBuildError(f"{cxx} failed to build {SOURCE.name}: {first}")
+    return path
+
+
+def fused_kernel_loaded() -> bool:
+    """Whether ``torch.ops.qkmap_v1`` is registered in this process (the model files' own check)."""
+    return FUSED_OPS() is not None
+
+
+def load_fused_kernel(build: bool = False) -> KernelStatus:
+    """Register the fused CPU feature map in this process, from this machine's build; with ``build``, compile it
+    first where it is missing. Never raises for a missing compiler or a failed build: that is a ``KernelStatus``
+    whose ``reason`` says why (with ``build``, also a warning), and the eager map runs."""
+    path = kernel_path()
+    if fused_kernel_loaded():
+        return KernelStatus(True, path)
+    seconds = None
+    if not path.is_file():
+        if not build:
+            return KernelStatus(False, path, "not built on this machine yet: run `qkmap kernels`")
+        start = time.perf_counter()
+        try:
+            build_fused_kernel(path)
+        except KernelBuildError as error:
+            warnings.warn(f"{error}", RuntimeWarning, stacklevel=2)
+            return KernelStatus(False, path, str(error))
+        seconds = time.perf_counter() - start
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as error:
+        reason = f"{path} did not load ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        warnings.warn(f"{reason}; remove it and run `qkmap kernels` to build it again", RuntimeWarning, stacklevel=2)
+        return KernelStatus(False, path, reason)
+    return KernelStatus(fused_kernel_loaded(), path, "" if fused_kernel_loaded() else "no ops registered", seconds)
+
+
+def check_fused_kernel(seed: int = 0) -> float:
+    """The fused kernel against the eager map on random inputs (GQA, two frequency blocks, per-channel and shared
+    omega, rotated and unrotated cos blocks, a batched RoPE table): the largest difference over the features and the
+    gradients of ``z``, omega and the gains, relative to each one's largest value. Needs the kernel loaded."""
+    if not fused_kernel_loaded():
+        raise RuntimeError("the fused CPU feature map is not loaded: load_fused_kernel(build=True) first")
+    from ..modeling import feature_map_qkmap as feature_map
+
+    generator = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for heads, kv_heads, num_freq, m, freq_width, rotate in ((6, 2, 2, 12, 12, True), (4, 4, 1, 40, 1, False)):
+        z = torch.randn(2, 9, heads, m, generator=generator).transpose(1, 2)
+        frequency = torch.rand(kv_heads, num_freq, freq_width, generator=generator) * 3 + 0.1
+        gain = torch.randn(kv_heads, 2 * num_freq, m, generator=generator)
+        cos, sin = torch.randn(2, 2, 9, m, generator=generator)
+        grad = torch.randn(2, heads, 9, 2 * num_freq * m, generator=generator)
+        needs = (True, True, True, False, False)
+        eager = (feature_map._features(z, frequency, gain, cos, sin, rotate),
+                 *feature_map._feature_gradients(grad, z, frequency, gain, cos, sin, rotate, needs)[:3])  # fmt: skip
+        fused = (feature_map._fused_features(z, frequency, gain, cos, sin, rotate),
+                 *feature_map._fused_gradients(grad, z, frequency, gain, cos, sin, rotate, needs[:3])[:3])  # fmt: skip
+        for want, got in zip(eager, fused, strict=True):
+            worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+__all__ = [
+    "KernelBuildError",
+    "KernelStatus",
+    "build_fused_kernel",
+    "check_fused_kernel",
+    "fused_kernel_loaded",
+    "kernel_path",
+    "load_fused_kernel",
+]
