@@ -47,7 +47,7 @@ MODEL_SIZE = dict(
 VARIANTS = {
     "standard": dict(qk_mode="standard"),
     "qk_norm": dict(qk_mode="qk_norm"),
-    # The QK-MAP layouts run the eager feature map, as every record before 2026-12-06 measured them (since then the
+    # The QK-MAP layouts run the eager feature map, as every record before 2026-12-05 measured them (since then the
     # default, qkmap_fused_feature_map=True, runs the fused CPU kernel where it is loaded: the "_fused" variants).
     # qkmap_input_dim of the compact layout: head_dim // (2F) of the size measured (variant_fields).
     "qk_map_compact": dict(

@@ -44,7 +44,17 @@ from qkmap_hf.training.sweep import paired_interval
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_overhead import VARIANTS, WARMUP_REPEATS, build, layout_of, timed  # noqa: E402
-from shape_grid import STANDARD, TARGETS, floor_ratio, grid_shapes, part_path, run_part, shape_label, write_csv  # noqa: E402
+from shape_grid import (  # noqa: E402
+    STANDARD,
+    TARGETS,
+    floor_ratio,
+    grid_shapes,
+    part_path,
+    print_run,
+    run_part,
+    shape_label,
+    write_csv,
+)
 
 DEFAULT_LAYOUTS = ("qk_map_wide", "qk_map_compact")
 NO_MAP, TRIG = "no map", "sin/cos"
@@ -327,13 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(args.output_dir / "map_share_table.md", table + "\n")
     if summary:
         plot(summary, args.output_dir / "map_share.png")
-    print(
+    settings = (
         f"repeats={args.repeats} threads={torch.get_num_threads()} batch={args.batch} torch={torch.__version__} "
         f"qkmap_hf={qkmap_hf.__version__} ({args.dtype}, sdpa, {args.device})"
     )
-    for name in skipped:
-        print(f"skipped: {name}")
-    print(table)
+    print_run(settings, skipped, table)
     return 0
 
 

@@ -831,6 +831,14 @@ def stored_summary_rows(directory: Path) -> list[dict] | None:
     return [row for part in parts for row in json.loads(part.read_text())["summary"]] if parts else None
 
 
+def print_run(settings: str, skipped: list[str], table: str) -> None:
+    """What a grid-shaped benchmark prints: its settings line, the shapes it skipped (named), then its table."""
+    print(settings)
+    for name in skipped:
+        print(f"skipped: {name}")
+    print(table)
+
+
 def write_csv(path: Path, rows: list[dict], fields: list[str] | tuple[str, ...]) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(fields), extrasaction="ignore")
@@ -933,13 +941,11 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.output_dir / "shape_grid_summary.csv", summary, SUMMARY_FIELDS)
     write_csv(args.output_dir / "shape_grid_raw.csv", raw, list(raw[0]) if raw else [])
     plot(summary, args.output_dir / "shape_grid_ratios.png")
-    print(
+    settings = (
         f"device={args.device} dtype={args.dtype} attn={args.attn} batch={args.batch} repeats={args.repeats} "
         f"threads={torch.get_num_threads()} torch={torch.__version__} qkmap_hf={qkmap_hf.__version__}"
     )
-    for name in skipped:
-        print(f"skipped: {name}")
-    print(markdown(summary))
+    print_run(settings, skipped, markdown(summary))
     if args.reference == STANDARD:  # the targets are ratios to standard
         targets = target_table(summary)
         atomic_write_text(args.output_dir / "shape_grid_targets.md", targets + "\n")

@@ -35,10 +35,10 @@ def test_compact_decode_dispatches_no_more_ops_than_standard_attention():
 
 
 def test_a_training_steps_extra_ops_are_a_cost_per_layer_that_does_not_grow_with_the_sequence():
-    """docs/performance.md, "Is it the kernel?": the feature map adds a fixed number of dispatched ops per layer to a
-    training step, the same at 8 and 32 tokens and the same for every layer added; the trig runs once forward and
-    once recomputed in the backward pass for queries and keys (``cos`` and ``sin_`` 4 times per layer each)."""
-    compact = {"qk_mode": "qk_map", "qkmap_input_dim": 8}
+    """docs/performance.md, "Is it the kernel?": the eager feature map adds a fixed number of dispatched ops per layer
+    to a training step, the same at 8 and 32 tokens and the same for every layer added; the trig runs once forward
+    and once recomputed in the backward pass for queries and keys (``cos`` and ``sin_`` 4 times per layer each)."""
+    compact = {"qk_mode": "qk_map", "qkmap_input_dim": 8, "qkmap_fused_feature_map": False}
     extra = {}
     for layers, seq_len in ((1, 8), (1, 32), (2, 8), (3, 8)):
         standard = training_ops(16, 4, 2, layers, seq_len, qk_mode="standard")
@@ -48,3 +48,15 @@ def test_a_training_steps_extra_ops_are_a_cost_per_layer_that_does_not_grow_with
     assert extra[(1, 8)] == extra[(1, 32)]
     per_layer = extra[(2, 8)] - extra[(1, 8)]
     assert per_layer > 0 and extra[(3, 8)] - extra[(2, 8)] == per_layer
+
+
+def test_the_fused_map_is_two_ops_each_way_per_layer_and_no_trig(fused_kernel):
+    """With the fused CPU kernel (the default), a training step's map is one ``features`` call for queries and one
+    for keys forward and one ``feature_gradients`` each backward per layer, no ``sin``/``cos`` beyond the rotary
+    table's: the compact layout then dispatches fewer ops than standard attention."""
+    for layers in (1, 2):
+        standard = training_ops(16, 4, 2, layers, 8, qk_mode="standard")
+        fused = training_ops(16, 4, 2, layers, 8, qk_mode="qk_map", qkmap_input_dim=8)
+        assert (fused["features"], fused["feature_gradients"]) == (2 * layers, 2 * layers)
+        assert (fused["sin"], fused["cos"], fused["sin_"]) == (standard["sin"], standard["cos"], 0)
+        assert sum(fused.values()) < sum(standard.values())

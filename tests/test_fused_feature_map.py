@@ -83,6 +83,8 @@ def test_fused_map_sums_omega_and_gain_gradients_over_many_positions_and_threads
         )[:3]  # fmt: skip
         for name, a, b in zip(("z", "frequency", "gain"), fused, reference, strict=True):
             assert relative_error(a, b) < 2e-5, name
+        again = feature_map_qkmap._fused_gradients(grad, *inputs, True, needs[:3])[:3]
+        assert all(torch.equal(a, b) for a, b in zip(fused, again, strict=True))  # chunks' sums added in row order
         eager = feature_map_qkmap._features(*inputs, True)
         assert relative_error(feature_map_qkmap._fused_features(*inputs, True), eager) < 1e-6
     finally:
@@ -273,6 +275,26 @@ def test_a_failed_build_leaves_no_file_and_loading_says_why(monkeypatch, tmp_pat
     assert not status.loaded and "qkmap kernels" in status.reason
 
 
+def test_a_build_others_could_have_written_is_not_loaded(monkeypatch, tmp_path, fused_kernel):
+    """Loading a library runs it: a build writable by other users, or in a folder they may write to, is refused with
+    the reason, as ssh refuses such keys."""
+    monkeypatch.setenv("QKMAP_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "fused_kernel_loaded", lambda: False)
+    path = kernels.kernel_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a library")
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    for target, mode in ((path, 0o666), (path.parent, 0o777)):
+        target.chmod(mode)
+        with pytest.warns(RuntimeWarning, match="writable by other users"):
+            status = kernels.load_fused_kernel()
+        assert not status.loaded and f"writable by other users (mode {mode:o})" in status.reason
+        target.chmod(0o755 if target.is_dir() else 0o644)
+    assert loaded == []
+    assert kernels.load_fused_kernel().reason == "no ops registered" and loaded == [str(path)]
+
+
 def test_qkmap_kernels_builds_loads_and_checks_the_kernel(fused_kernel, capsys, monkeypatch, tmp_path):
     assert cli_main(["kernels"]) == 0
     out = capsys.readouterr().out
@@ -299,3 +321,26 @@ def test_importing_qkmap_hf_loads_this_machines_build_and_never_compiles(fused_k
     empty = tmp_path / "cache"
     assert run({**os.environ, "QKMAP_HF_CACHE": str(empty), "CXX": "/bin/false"}) == "false"
     assert not empty.exists()  # looking for a build creates nothing
+
+
+def test_the_feature_map_benchmark_times_both_paths_per_direction(fused_kernel, tmp_path, one_thread):
+    """benchmarks/feature_map_kernel.py on a tiny grid: a row per shape, layout, length and direction with both
+    paths' times and their per-repeat ratio, as CSV and Markdown."""
+    import csv
+
+    sys.path.insert(0, str(kernels.SOURCE.parents[2] / "benchmarks"))
+    import feature_map_kernel
+
+    args = ["--head-dims", "16", "--heads", "4", "--kv-ratios", "1", "4", "--seq-lens", "8", "--repeats", "2"]
+    assert feature_map_kernel.main([*args, "--calls", "1", "--output-dir", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "feature_map_kernel.csv").open()))
+    assert [(r["shape"], r["layout"], r["direction"]) for r in rows] == [
+        (shape, layout, direction)
+        for shape in ("d16 h4/kv4", "d16 h4/kv1")
+        for layout in ("qk_map_wide", "qk_map_compact")
+        for direction in ("forward", "backward")
+    ]
+    for row in rows:
+        eager, fused, ratio = float(row["eager_us"]), float(row["fused_us"]), float(row["ratio"])
+        assert eager > 0 and fused > 0 and float(row["ratio_min"]) <= ratio <= float(row["ratio_max"])
+    assert (tmp_path / "feature_map_kernel.md").read_text().count("\n") == 2 + len(rows)

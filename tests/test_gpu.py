@@ -123,7 +123,8 @@ def test_compiled_feature_map_in_bf16_on_device_gives_the_eager_loss_and_gradien
     layout's default recomputing node: the eager map's loss and gradients up to bf16 rounding, no eager fall-back."""
     from qkmap_hf.modeling import feature_map_qkmap
 
-    losses = trained_pair_in_bf16_on_device({"qkmap_compile_feature_map": False}, {"qkmap_compile_feature_map": True})
+    eager, compiled = ({"qkmap_fused_feature_map": False, "qkmap_compile_feature_map": c} for c in (False, True))
+    losses = trained_pair_in_bf16_on_device(eager, compiled)  # the fused CPU kernel, where loaded, precedes compiling
     assert feature_map_qkmap.COMPILED_QUERY_KEY_GRADIENTS.failure is None
     assert feature_map_qkmap.COMPILED_QUERY_KEY_GRADIENTS.compiled is not None
     assert losses[1].float().item() == pytest.approx(losses[0].float().item(), rel=1e-2)

@@ -166,6 +166,8 @@ def _definers(name: str) -> list[str]:
         ("PhaseStatistics", "qkmap_hf.diagnostics.phases"),
         ("ModelDiagnostics", "qkmap_hf.diagnostics"),
         ("AttentionLayer", "qkmap_hf.diagnostics.hooks"),
+        ("load_fused_kernel", "qkmap_hf.kernels"),
+        ("FusedOps", "qkmap_hf.modeling.feature_map_qkmap"),
     ],
 )
 def test_each_concept_is_defined_once_in_its_owner(name, owner):

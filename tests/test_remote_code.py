@@ -54,11 +54,23 @@ def saved(request, tmp_path_factory):
     model.save_pretrained(folder)
     ids = torch.tensor(INPUT_IDS)
     with torch.no_grad():
+        package_logits = model(ids).logits  # the fused CPU kernel where this process loaded it
+        # A process without qkmap_hf has no kernel: the copied files run the eager map, which must match bit for bit.
+        model.config.qkmap_fused_feature_map = False
         expected = {
             "logits": model(ids).logits,
             "generated": model.generate(ids[:1, :4], max_new_tokens=10, do_sample=False, pad_token_id=0),
+            "package_logits": package_logits,
         }
     return folder, expected
+
+
+def test_the_package_and_remote_code_give_the_same_logits_up_to_the_kernels_rounding(saved):
+    """The saved checkpoint keeps the default (fused) config; in this process the fused kernel may run, and it
+    differs from the eager map only by float32 rounding."""
+    folder, expected = saved
+    assert json.loads((folder / "config.json").read_text()).get("qkmap_fused_feature_map", True) is True
+    torch.testing.assert_close(expected["package_logits"], expected["logits"], atol=1e-5, rtol=1e-5)
 
 
 def test_checkpoint_carries_code_and_auto_map(saved):

@@ -110,6 +110,19 @@ def build_fused_kernel(path: Path | None = None) -> Path:
     return path
 
 
+def unsafe_to_load(path: Path) -> str | None:
+    """Why loading ``path`` would run code someone else could have put there, or None. Loading a library runs it,
+    so (as ssh does with its keys) a build is loaded only when it and its folder belong to this user and no one
+    else may write to them: ``$QKMAP_HF_CACHE`` may point at a shared folder."""
+    for item in (path, path.parent):
+        info = item.stat()
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            return f"{item} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & 0o022:
+            return f"{item} is writable by other users (mode {info.st_mode & 0o777:o})"
+    return None
+
+
 def fused_kernel_loaded() -> bool:
     """Whether ``torch.ops.qkmap_v1`` is registered in this process (the model files' own check)."""
     return FUSED_OPS() is not None
@@ -133,6 +146,11 @@ def load_fused_kernel(build: bool = False) -> KernelStatus:
             warnings.warn(f"{error}", RuntimeWarning, stacklevel=2)
             return KernelStatus(False, path, str(error))
         seconds = time.perf_counter() - start
+    unsafe = unsafe_to_load(path)
+    if unsafe:
+        reason = f"not loading {path.name}: {unsafe}; remove it and run `qkmap kernels` to build your own"
+        warnings.warn(reason, RuntimeWarning, stacklevel=2)
+        return KernelStatus(False, path, reason)
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as error:

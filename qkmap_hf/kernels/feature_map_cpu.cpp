@@ -5,7 +5,7 @@
 // over the phases; at hidden 128-512 those passes and calls, not the sin/cos, are most of what QK-MAP adds to a
 // training step. Here one loop over the (batch, position, head) rows computes a row's phases, their sin/cos, the
 // gains and the RoPE rotation in registers (ATen's Vectorized<float>, whose sin/cos are SLEEF's, as torch.sin's), and
-// the backward pass recomputes them the same way, writes d/dz and sums the gradients of omega and the gains per thread.
+// the backward pass recomputes them the same way, writes d/dz and sums the gradients of omega and the gains per chunk.
 //
 // Registered as torch.ops.qkmap_v1.features / feature_gradients. The model files look the ops up through torch.ops
 // (they import only torch) and run the eager map where they are not loaded; qkmap_hf/kernels/__init__.py builds
@@ -18,7 +18,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace qkmap {
@@ -173,8 +175,9 @@ Tensor features(const Tensor& z_in, const Tensor& frequency_in, const Tensor& ga
 }
 
 // Gradients of phi for z, omega and the gains from the gradient of its output, recomputing the phases' sin/cos.
-// z's gradient is a (batch, heads, seq, m) view of a token-major buffer; omega's and the gains' are summed per thread
-// in float over blocks of 64 positions, then in double across blocks and threads.
+// z's gradient is a (batch, heads, seq, m) view of a token-major buffer; omega's and the gains' are summed per chunk of
+// rows in float over blocks of 64 positions, then in double across blocks, and the chunks' sums are added in the
+// order of their rows: the same bits whatever thread ran which chunk.
 std::tuple<Tensor, Tensor, Tensor> feature_gradients(const Tensor& grad_output_in, const Tensor& z_in,
                                                      const Tensor& frequency_in, const Tensor& gain_in,
                                                      const Tensor& cos_in, const Tensor& sin_in,
@@ -196,12 +199,12 @@ std::tuple<Tensor, Tensor, Tensor> feature_gradients(const Tensor& grad_output_i
   const int64_t half = map.half, m = map.m;
   const int64_t gain_numel = map.kv_heads * 2 * map.num_freq * m;
   const int64_t sums_numel = gain_numel + map.kv_heads * map.num_freq * map.freq_width;
-  const int64_t threads = at::get_num_threads();
-  std::vector<double> thread_sums(threads * sums_numel, 0.0);
+  std::vector<std::pair<int64_t, std::vector<double>>> chunk_sums;  // (first row, sums) of each chunk
+  std::mutex chunk_lock;
   const int64_t block_rows = 64 * map.heads;
 
   at::parallel_for(0, map.rows(), map.grain(), [&](int64_t begin, int64_t end) {
-    double* sums = thread_sums.data() + at::get_thread_num() * sums_numel;
+    std::vector<double> sums(sums_numel, 0.0);
     std::vector<float> block(sums_numel);
     for (int64_t start = begin; start < end; start += block_rows) {
       std::fill(block.begin(), block.end(), 0.f);
@@ -263,19 +266,24 @@ std::tuple<Tensor, Tensor, Tensor> feature_gradients(const Tensor& grad_output_i
       }
       for (int64_t k = 0; k < sums_numel; ++k) sums[k] += block[k];
     }
+    const std::lock_guard<std::mutex> guard(chunk_lock);
+    chunk_sums.emplace_back(begin, std::move(sums));
   });
+  std::sort(chunk_sums.begin(), chunk_sums.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<double> total_sums(sums_numel, 0.0);
+  for (const auto& chunk : chunk_sums) {
+    for (int64_t k = 0; k < sums_numel; ++k) total_sums[k] += chunk.second[k];
+  }
 
   Tensor grad_gain = at::empty({map.kv_heads, 2 * map.num_freq, m}, z.options());
   Tensor grad_frequency = at::empty({map.kv_heads, map.num_freq, map.freq_width}, z.options());
   float* grad_gain_data = grad_gain.data_ptr<float>();
   float* grad_frequency_data = grad_frequency.data_ptr<float>();
   for (int64_t k = 0; k < sums_numel; ++k) {
-    double total = 0.0;
-    for (int64_t thread = 0; thread < threads; ++thread) total += thread_sums[thread * sums_numel + k];
     if (k < gain_numel) {
-      grad_gain_data[k] = static_cast<float>(total);
+      grad_gain_data[k] = static_cast<float>(total_sums[k]);
     } else {
-      grad_frequency_data[k - gain_numel] = static_cast<float>(total);
+      grad_frequency_data[k - gain_numel] = static_cast<float>(total_sums[k]);
     }
   }
   return {grad_z.transpose(1, 2), grad_frequency, grad_gain};
