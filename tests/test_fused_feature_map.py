@@ -69,8 +69,9 @@ def test_fused_map_equals_the_written_out_formula_and_its_gradients(
 
 
 def test_fused_map_sums_omega_and_gain_gradients_over_many_positions_and_threads(fused_kernel):
-    """8 query heads on 2 key heads, 700 positions, 2 threads: the per-thread sums over blocks of 64 positions give
-    the float64 eager map's gradients to float32 rounding, and the eager float32 map's values."""
+    """8 query heads on 2 key heads, 700 positions, 2 threads: the sums per chunk of rows, added in row order, give
+    the float64 eager map's gradients to float32 rounding and the same bits on a second call; the values are the
+    eager float32 map's."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
