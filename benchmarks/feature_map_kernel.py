@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 
 from qkmap_hf.fileio import atomic_write_text
-from qkmap_hf.kernels import load_fused_kernel
 from qkmap_hf.modeling.feature_map_qkmap import qkmap_query_key_features
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_overhead import variant_config  # noqa: E402
+from attention_overhead import require_fused_kernel, variant_config  # noqa: E402
 from shape_grid import grid_shapes, print_run, shape_label, write_csv  # noqa: E402
 
 LAYOUTS = ("qk_map_wide", "qk_map_compact")
@@ -132,17 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    status = load_fused_kernel(build=True)
-    if not status.loaded:
-        raise SystemExit(f"the fused CPU feature map is needed: {status.reason}")
+    require_fused_kernel()
     sizes, skipped = grid_shapes(args.head_dims, args.heads, args.kv_ratios, [1])
     rows = []
     for size in sizes:
+        label = shape_label(size).removesuffix(" L1")
         for layout in args.layouts:
             config = variant_config(layout, size)
             for seq_len in args.seq_lens:
-                print(f"[feature map] {shape_label(size)} {layout} T={seq_len}", file=sys.stderr, flush=True)
-                rows += rows_of(shape_label(size).removesuffix(" L1"), layout, seq_len, measure(config, seq_len, args))
+                print(f"[feature map] {label} {layout} T={seq_len}", file=sys.stderr, flush=True)
+                rows += rows_of(label, layout, seq_len, measure(config, seq_len, args))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     write_csv(args.output_dir / "feature_map_kernel.csv", rows, FIELDS)
     table = markdown(rows)

@@ -41,7 +41,9 @@ print(json.dumps({{
 
 
 @pytest.fixture(scope="module", params=["standard", "qk_norm", "qk_map"])
-def saved(request, tmp_path_factory):
+def saved(request, tmp_path_factory, fused_kernel):
+    """A checkpoint of each mode, saved with the default config, and its outputs; the fused kernel is loaded here, so
+    ``package_logits`` of qk_map are the kernel's."""
     torch.manual_seed(0)
     config = QKMapConfig(qk_mode=request.param, qkmap_num_frequencies=2, **tiny_config_kwargs())
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -66,8 +68,8 @@ def saved(request, tmp_path_factory):
 
 
 def test_the_package_and_remote_code_give_the_same_logits_up_to_the_kernels_rounding(saved):
-    """The saved checkpoint keeps the default (fused) config; in this process the fused kernel may run, and it
-    differs from the eager map only by float32 rounding."""
+    """The saved checkpoint keeps the default (fused) config; the package's logits (the fused kernel, loaded by the
+    fixture) differ from the eager map's only by float32 rounding."""
     folder, expected = saved
     assert json.loads((folder / "config.json").read_text()).get("qkmap_fused_feature_map", True) is True
     torch.testing.assert_close(expected["package_logits"], expected["logits"], atol=1e-5, rtol=1e-5)

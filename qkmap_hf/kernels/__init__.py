@@ -157,7 +157,8 @@ def load_fused_kernel(build: bool = False) -> KernelStatus:
         reason = f"{path} did not load ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
         warnings.warn(f"{reason}; remove it and run `qkmap kernels` to build it again", RuntimeWarning, stacklevel=2)
         return KernelStatus(False, path, reason)
-    return KernelStatus(fused_kernel_loaded(), path, "" if fused_kernel_loaded() else "no ops registered", seconds)
+    loaded = fused_kernel_loaded()
+    return KernelStatus(loaded, path, "" if loaded else "no ops registered", seconds)
 
 
 def check_fused_kernel(seed: int = 0) -> float:
