@@ -138,6 +138,16 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, shared by the benchmarks: torch's CPU threads for the run (``use_threads``)."""
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def timed(fn, device: str) -> float:
     synchronize(device)
     start = time.perf_counter()
@@ -422,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--decode-cache", choices=DECODE_CACHES, default="dynamic", help="the cache prefill fills and decoding grows"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_option(parser)
     parser.add_argument(
         "--kernel-time",
         action="store_true",
@@ -437,8 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.variants = ["standard", *[v for v in args.variants if v != "standard"]]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows = measure(args)
     # the run's kernel, cache and batch on every row: shape_grid.py --summarize computes this run's floors from them

@@ -25,7 +25,7 @@ from qkmap_hf.fileio import atomic_write_text
 from qkmap_hf.modeling.feature_map_qkmap import qkmap_query_key_features
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_overhead import require_fused_kernel, variant_config  # noqa: E402
+from attention_overhead import add_threads_option, require_fused_kernel, use_threads, variant_config  # noqa: E402
 from shape_grid import grid_shapes, print_run, shape_label, write_csv  # noqa: E402
 
 LAYOUTS = ("qk_map_wide", "qk_map_compact")
@@ -123,14 +123,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=10, help="calls per repeat (their mean is the repeat's value)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     require_fused_kernel()
     sizes, skipped = grid_shapes(args.head_dims, args.heads, args.kv_ratios, [1])
     rows = []

@@ -43,7 +43,7 @@ from qkmap_hf.modeling.construction_qkmap import QKMapFeatureMap
 from qkmap_hf.training.sweep import paired_interval
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_overhead import VARIANTS, WARMUP_REPEATS, build, layout_of, timed  # noqa: E402
+from attention_overhead import VARIANTS, WARMUP_REPEATS, add_threads_option, build, layout_of, timed, use_threads  # noqa: E402
 from shape_grid import (  # noqa: E402
     STANDARD,
     TARGETS,
@@ -314,15 +314,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/gpu_check.sh)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_option(p)
     p.add_argument("--in-process", dest="isolate", action="store_false", help="every case in this process")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     sizes, skipped = grid_shapes(args.head_dims, args.heads, args.kv_ratios, args.layers)
     summary, raw = [], []
     for size in sizes:
