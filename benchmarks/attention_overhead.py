@@ -47,11 +47,17 @@ MODEL_SIZE = dict(
 VARIANTS = {
     "standard": dict(qk_mode="standard"),
     "qk_norm": dict(qk_mode="qk_norm"),
-    # The QK-MAP layouts run the eager feature map, as every record before 2026-12-05 measured them (since then the
-    # default, qkmap_fused_feature_map=True, runs the fused CPU kernel where it is loaded: the "_fused" variants).
+    # The QK-MAP layouts run the eager feature map and sdpa with padded values, as every record before 2026-12-05
+    # measured them (since then the defaults, qkmap_fused_feature_map=True and, from 2026-12-06,
+    # qkmap_fused_attention=True, run the fused CPU kernels where they are loaded: the "_fused" and "_kernels"
+    # variants).
     # qkmap_input_dim of the compact layout: head_dim // (2F) of the size measured (variant_fields).
     "qk_map_compact": dict(
-        qk_mode="qk_map", qkmap_input_dim=32, qkmap_num_frequencies=1, qkmap_fused_feature_map=False
+        qk_mode="qk_map",
+        qkmap_input_dim=32,
+        qkmap_num_frequencies=1,
+        qkmap_fused_feature_map=False,
+        qkmap_fused_attention=False,
     ),
     # The wide layout keeping z for the backward pass, as every record before 2026-12-03 measured it (since then the
     # default, qkmap_recompute_projections=None, recomputes in the wide layout: qk_map_wide_recompute).
@@ -61,6 +67,7 @@ VARIANTS = {
         qkmap_num_frequencies=1,
         qkmap_recompute_projections=False,
         qkmap_fused_feature_map=False,
+        qkmap_fused_attention=False,
     ),
     # The wide layout whose training recomputes q_proj/k_proj's outputs instead of keeping them.
     "qk_map_wide_recompute": dict(
@@ -69,20 +76,28 @@ VARIANTS = {
         qkmap_num_frequencies=1,
         qkmap_recompute_projections=True,
         qkmap_fused_feature_map=False,
+        qkmap_fused_attention=False,
     ),
 }
-# Each layout with its feature map compiled (qkmap_compile_feature_map) or run by the fused CPU kernel
-# (qkmap_fused_feature_map, qkmap_hf/kernels): the same model, one config field apart.
+# Each layout with its feature map compiled (qkmap_compile_feature_map), run by the fused CPU kernel
+# (qkmap_fused_feature_map, qkmap_hf/kernels), or with every fused CPU kernel, the map and the attention for keys
+# wider than values (qkmap_fused_attention; the product's defaults): the same model, config fields apart.
 COMPILED_SUFFIX = "_compiled"
 FUSED_SUFFIX = "_fused"
-MAP_SUFFIXES = (COMPILED_SUFFIX, FUSED_SUFFIX)
+KERNELS_SUFFIX = "_kernels"
+MAP_SUFFIXES = (COMPILED_SUFFIX, FUSED_SUFFIX, KERNELS_SUFFIX)
+SUFFIX_FIELDS = {
+    COMPILED_SUFFIX: ("qkmap_compile_feature_map",),
+    FUSED_SUFFIX: ("qkmap_fused_feature_map",),
+    KERNELS_SUFFIX: ("qkmap_fused_feature_map", "qkmap_fused_attention"),
+}
 VARIANTS.update(
     {
-        f"{name}{suffix}": {**VARIANTS[name], field: True}
-        for suffix, field in ((COMPILED_SUFFIX, "qkmap_compile_feature_map"), (FUSED_SUFFIX, "qkmap_fused_feature_map"))
+        f"{name}{suffix}": {**VARIANTS[name], **dict.fromkeys(fields, True)}
+        for suffix, fields in SUFFIX_FIELDS.items()
         for name in list(VARIANTS)
         if name.startswith("qk_map")
-    }  # fmt: skip
+    }
 )
 
 
@@ -118,7 +133,11 @@ def variant_config(variant: str, size: dict | None = None) -> QKMapConfig:
 def build(variant: str, device: str, dtype: torch.dtype, attn: str, size: dict | None = None) -> QKMapForCausalLM:
     torch.manual_seed(0)
     config = variant_config(variant, size)
-    if config.qk_mode == "qk_map" and config.qkmap_fused_feature_map and device == "cpu":
+    if (
+        config.qk_mode == "qk_map"
+        and device == "cpu"
+        and (config.qkmap_fused_feature_map or config.qkmap_fused_attention)
+    ):
         require_fused_kernel()
     model = QKMapForCausalLM(config).to(device=device, dtype=dtype)
     model.set_attn_implementation(attn)
@@ -127,10 +146,11 @@ def build(variant: str, device: str, dtype: torch.dtype, attn: str, size: dict |
 
 
 def require_fused_kernel() -> None:
-    """Build and load the fused CPU kernel, or stop: a fused variant measured without it would time the eager map."""
+    """Build and load the fused CPU kernels, or stop: a _fused or _kernels variant measured without them would time
+    the eager map and sdpa with padded values."""
     status = load_fused_kernel(build=True)
     if not status.loaded:
-        raise SystemExit(f"a _fused variant needs the fused CPU feature map: {status.reason}")
+        raise SystemExit(f"a _fused or _kernels variant needs the fused CPU kernels: {status.reason}")
 
 
 def synchronize(device: str) -> None:

@@ -27,9 +27,10 @@
 #      sin/cos alone, against standard: what a fused feature-map kernel could save on this GPU at most;
 #   7. benchmarks/shape_grid.py on one of those shapes (d128 h16/kv4) with each layout's feature map compiled
 #      (qkmap_compile_feature_map) next to the eager one: what the fused map saves on this GPU.
-# The fused CPU feature map (qkmap_fused_feature_map, qkmap_hf/kernels) runs on CPU tensors only: on the GPU the
-# layouts run the eager (or compiled) map whatever that field says. --cpu-smoke's grid step measures the product's
-# CPU defaults too (qk_map_compact_fused, qk_map_wide_recompute_fused; the kernel is built first if missing).
+# The fused CPU kernels (qkmap_fused_feature_map, qkmap_fused_attention; qkmap_hf/kernels) run on CPU tensors only:
+# on the GPU the layouts run the eager (or compiled) map and sdpa with padded values whatever those fields say.
+# --cpu-smoke's grid step measures the product's CPU defaults too (qk_map_compact_kernels,
+# qk_map_wide_recompute_kernels) and the fused map alone (..._fused); the kernels are built first if missing.
 # It ends with the PASS/FAIL list and ONE Markdown table of every benchmark step's ratios (shape_grid.py
 # --summarize; also written to $OUT/summary_table.md), to paste into docs/performance.md, and map_share.py's table
 # ($OUT/map_share/map_share_table.md).
@@ -91,7 +92,7 @@ else
     GRID=(--head-dims 16 --heads 4 --kv-ratios 1 4 --layers 1 --seq-lens 32 --repeats 1 --decode-tokens 2
           --kv-prompt-len 4 --kv-new-tokens 2 --threads 1
           --variants standard qk_norm qk_map_compact qk_map_wide qk_map_wide_recompute qk_map_compact_fused
-          qk_map_wide_recompute_fused)
+          qk_map_wide_recompute_fused qk_map_compact_kernels qk_map_wide_recompute_kernels)
     MAP_SHARE=(--head-dims 16 --heads 4 --kv-ratios 1 --layers 1 --seq-lens 32 --repeats 2 --threads 1 --in-process)
     COMPILED=(--head-dims 16 --heads 4 --kv-ratios 4 --layers 1 --seq-lens 32 --repeats 1 --decode-tokens 2
               --kv-prompt-len 4 --kv-new-tokens 2 --threads 1 --variants standard qk_map_compact_compiled

@@ -4,8 +4,9 @@ The arithmetic floor of ``shape_grid.py`` weighs every matmul FLOP alike, but th
 fewer FLOP/s than the projections' and MLP's GEMMs: on this CPU, with the attention kernel a fifth of a training
 step's time, doubling its width costs more of the step than its share of the FLOPs says. This module records the
 ``scaled_dot_product_attention`` calls one training step makes (shapes, strides, dtype, mask and keywords, through
-a ``TorchFunctionMode``), then replays them, forward and backward, on fresh tensors of the same layout: the
-kernel's time per step without the model around it. ``shape_grid.py --kernel-time`` times the replay inside each
+a ``TorchFunctionMode``), and the fused CPU attention's (``qkmap_v1.causal_attention``, where the wide layout runs
+it), then replays them, forward and backward, on fresh tensors of the same layout: the kernel's time per step
+without the model around it. ``shape_grid.py --kernel-time`` times the replay inside each
 repeat, interleaved with the training steps, and turns it into a measured floor (``kernel_floor_ratio``).
 """
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+
+from qkmap_hf.modeling import attention_qkmap
 
 
 @dataclass(frozen=True)
@@ -41,14 +44,23 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """One recorded ``scaled_dot_product_attention`` call: its three inputs' layouts, the mask tensor itself (or
-    None) and its keywords."""
+    """One recorded attention call: its three inputs' layouts, the mask tensor itself (or None) and its keywords;
+    ``kernel`` says whose: ``"sdpa"`` (``scaled_dot_product_attention``) or ``"fused"`` (the fused CPU attention,
+    whose one keyword is its ``scale``)."""
 
     query: TensorLayout
     key: TensorLayout
     value: TensorLayout
     attn_mask: torch.Tensor | None
     keywords: tuple[tuple[str, object], ...]
+    kernel: str = "sdpa"
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The recorded call on these inputs, through autograd as the model makes it."""
+        keywords = dict(self.keywords)
+        if self.kernel == "fused":
+            return attention_qkmap.FusedCausalAttention.apply(query, key, value, keywords["scale"])
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=self.attn_mask, **keywords)
 
 
 class _RecordAttention(TorchFunctionMode):
@@ -70,13 +82,36 @@ class _RecordAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _RecordFusedAttention:
+    """``attention_qkmap.FUSED_ATTENTION_OPS`` in place of the model files' own lookup, recording the layouts of
+    each ``causal_attention`` call (forward) before running it."""
+
+    def __init__(self, ops, calls: list[AttentionCall]):
+        self.ops, self.calls = ops, calls
+
+    def causal_attention(self, query, key, value, scale):
+        layouts = (TensorLayout.of(query), TensorLayout.of(key), TensorLayout.of(value))
+        self.calls.append(AttentionCall(*layouts, None, (("scale", scale),), kernel="fused"))
+        return self.ops.causal_attention(query, key, value, scale)
+
+    def __getattr__(self, name: str):
+        return getattr(self.ops, name)
+
+
 def record_training_calls(model: torch.nn.Module, ids: torch.Tensor) -> list[AttentionCall]:
     """The attention kernel calls of one training step of ``model`` on ``ids`` (the step runs, its gradients are
-    dropped). Empty when the model does not attend through ``scaled_dot_product_attention`` (eager, flex)."""
+    dropped): sdpa's and the fused CPU attention's. Empty when the model attends through neither (eager, flex)."""
     recorder = _RecordAttention()
-    with recorder:
-        loss = model(ids, labels=ids).loss
-    loss.backward()
+    ops, lookup = attention_qkmap.FUSED_ATTENTION_OPS(), attention_qkmap.FUSED_ATTENTION_OPS
+    if ops is not None:  # the model files look the ops up through this name at every call
+        fused = _RecordFusedAttention(ops, recorder.calls)
+        attention_qkmap.FUSED_ATTENTION_OPS = lambda: fused
+    try:
+        with recorder:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+    finally:
+        attention_qkmap.FUSED_ATTENTION_OPS = lookup
     model.zero_grad(set_to_none=True)
     return recorder.calls
 
@@ -98,7 +133,7 @@ class KernelReplay:
         arrives, dense), in the order the step made them."""
         for call in self.calls:
             inputs = self._inputs[(call.query, call.key, call.value)]
-            output = F.scaled_dot_product_attention(*inputs, attn_mask=call.attn_mask, **dict(call.keywords))
+            output = call.run(*inputs)
             wanted = [tensor for tensor in inputs if tensor.requires_grad]
             if wanted:
                 torch.autograd.grad(output, wanted, torch.ones_like(output))

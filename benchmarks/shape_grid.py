@@ -153,11 +153,15 @@ def grid_shapes(
 
 
 def value_width(config, attn: str, query_length: int) -> int:
-    """Width of the values the kernel multiplies: the library's own padding rule
-    (``QKMapAttention.pad_values_for_kernel``) applied to a meta tensor, so the floor follows the code."""
+    """Width of the values the kernel multiplies: the library's own rules applied to stand-in tensors, so the floor
+    follows the code: the fused CPU attention (``QKMapAttention.runs_fused_attention``: float32 CPU tensors, no
+    mask, as in the grid's steps) keeps them at ``head_dim``, elsewhere ``pad_values_for_kernel`` pads them."""
     with torch.device("meta"):
         module = QKMapAttention(config, 0)
         values = torch.empty(1, config.num_key_value_heads, query_length, config.head_dim)
+    stand_in = torch.empty(1, 1, 1, 1).expand(1, config.num_attention_heads, query_length, config.query_key_dim)
+    if module.runs_fused_attention(attn, stand_in, stand_in):
+        return config.head_dim
     return module.pad_values_for_kernel(values, attn, query_length).shape[-1]
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from attention_overhead import VARIANTS, add_threads_option, build, saved_bytes_rows, use_threads  # noqa: E402
 from shape_grid import shape_label, shape_size  # noqa: E402
 
-DEFAULT_VARIANTS = ("standard", "qk_map_compact_fused", "qk_map_wide_recompute_fused")
+DEFAULT_VARIANTS = ("standard", "qk_map_compact_kernels", "qk_map_wide_recompute_kernels")  # the product defaults
 
 
 def minor_faults() -> int:

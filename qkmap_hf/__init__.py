@@ -3,7 +3,7 @@
 Importing the package registers ``model_type="qkmap"`` with the Auto classes, so
 ``AutoModelForCausalLM.from_config(QKMapConfig(...))`` and ``from_pretrained(dir)`` work without
 ``trust_remote_code``; saved checkpoints also carry the model files and load with it, without this package. It also
-loads the fused CPU feature map where this machine has built it (``qkmap_hf.kernels``).
+loads the fused CPU kernels where this machine has built it (``qkmap_hf.kernels``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ QKMapModel.register_for_auto_class("AutoModel")
 QKMapForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 QKMapForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 
-# The fused CPU feature map, where this machine has built it (``qkmap kernels``): loading never compiles.
+# The fused CPU kernels (feature map, wide-key attention), where this machine has built them (``qkmap kernels``):
+# loading never compiles.
 load_fused_kernel(build=False)
 
 # peft's per-model-type defaults (LoRA target modules, ...) get a "qkmap" entry, as peft does for llama.

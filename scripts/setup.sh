@@ -15,7 +15,7 @@ fi
 echo "[setup] installing qkmap-hf with its dependencies and the gguf and dev extras"
 "$PYTHON" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[dev]"
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
-# The fused CPU feature map, compiled once per machine (seconds; qkmap_hf/kernels). Without a C++ compiler the eager
+# The fused CPU kernels (feature map, wide-key attention), compiled once per machine (seconds; qkmap_hf/kernels). Without a C++ compiler the eager
 # map runs and the line below says why; the setup goes on.
-"$PYTHON" -m qkmap_hf kernels || echo "[setup] the fused CPU feature map was not built; the eager feature map runs"
+"$PYTHON" -m qkmap_hf kernels || echo "[setup] the fused CPU kernels were not built; the eager feature map and sdpa with padded values run"
 "$PYTHON" -c "import torch, transformers, qkmap_hf; print(f'[setup] qkmap-hf {qkmap_hf.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"

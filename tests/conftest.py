@@ -20,10 +20,20 @@ def _deterministic():
     yield
 
 
+def _with_threads(count: int):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models train fastest on one thread; two threads on two shared cores wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from _with_threads(1)
+
+
+@pytest.fixture
+def two_threads():
+    """Kernels whose work splits across threads (the fused ones' chunks), run as on this machine's two cores."""
+    yield from _with_threads(2)

@@ -1,12 +1,12 @@
-"""The fused CPU feature map's shared test fixtures (a pytest plugin: tests/conftest.py loads it): the kernel built
-and loaded once per session, and a record of which of its ops a test's model called."""
+"""The fused CPU kernels' shared test fixtures (a pytest plugin: tests/conftest.py loads it): the kernels built
+and loaded once per session, and a record of which of their ops a test's model called."""
 
 from __future__ import annotations
 
 import pytest
 
 from qkmap_hf.kernels import load_fused_kernel
-from qkmap_hf.modeling import feature_map_qkmap
+from qkmap_hf.modeling import attention_qkmap, feature_map_qkmap
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +34,22 @@ class RecordingOps:
         return call
 
 
+def record_calls(monkeypatch, module, lookup: str) -> list[str]:
+    """Replace ``module.<lookup>`` (a ``FusedOps``, which the model files call at every use) by one returning
+    ``RecordingOps``; returns the list it records into."""
+    calls: list[str] = []
+    ops = getattr(module, lookup)()
+    monkeypatch.setattr(module, lookup, lambda: RecordingOps(ops, calls))
+    return calls
+
+
 @pytest.fixture
 def fused_calls(fused_kernel, monkeypatch):
     """The names of the fused ops the test's feature maps call, in order."""
-    calls: list[str] = []
-    ops = feature_map_qkmap.FUSED_OPS()
-    monkeypatch.setattr(feature_map_qkmap, "FUSED_OPS", lambda: RecordingOps(ops, calls))
-    return calls
+    return record_calls(monkeypatch, feature_map_qkmap, "FUSED_OPS")
+
+
+@pytest.fixture
+def fused_attention_calls(fused_kernel, monkeypatch):
+    """The names of the fused attention ops the test's models call, in order."""
+    return record_calls(monkeypatch, attention_qkmap, "FUSED_ATTENTION_OPS")

@@ -320,15 +320,16 @@ def test_saved_bytes_leave_the_weights_out_and_the_wide_layout_saves_the_counted
     assert saved["qk_map_wide", 8] - saved["qk_map_wide_recompute", 8] == 4 * (z + 8 * 64)
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_distinct_storages_of_the_wide_layout_are_standards_plus_what_the_kernel_keeps() -> None:
-    """The wide layout's default (projections recomputed, ``o_proj`` keeping a view of the kernel's padded output)
-    grows its distinct storages with T by exactly the kernel's extra; the rest is per call, not per position, and
-    less than the map's parameters. So its distinct-storage ratio sits on the floor ``with_activation_floors`` gives
-    it, at T = 16 already within 0.1 %."""
+@pytest.mark.usefixtures("one_thread", "fused_kernel")
+@pytest.mark.parametrize("wide", ["qk_map_wide_recompute", "qk_map_wide_recompute_kernels"])
+def test_distinct_storages_of_the_wide_layout_are_standards_plus_what_the_kernel_keeps(wide: str) -> None:
+    """The wide layout's default (projections recomputed; sdpa with ``o_proj`` keeping a view of the kernel's padded
+    output, or the fused attention, which keeps values and output at their width) grows its distinct storages with
+    T by exactly the kernel's extra; the rest is per call, not per position, and less than the map's parameters. So
+    its distinct-storage ratio sits on the floor ``with_activation_floors`` gives it, at T = 16 already within
+    0.1 %."""
     from attention_overhead import build, saved_activation_bytes
 
-    wide = "qk_map_wide_recompute"
     size = shape_grid.shape_size(16, 4, 4, 1)
     models = {variant: build(variant, "cpu", torch.float32, "sdpa", size) for variant in ("standard", wide)}
     distinct = {
@@ -351,6 +352,8 @@ def test_distinct_storages_of_the_wide_layout_are_standards_plus_what_the_kernel
     measured = distinct[wide, 16] / distinct["standard", 16]
     assert measured == pytest.approx(floor + above[16] / distinct["standard", 16], rel=1e-12)
     assert 0 <= measured - floor < 1e-3
+    padded = config.query_key_dim - config.head_dim  # what sdpa's padding keeps per value and output row
+    assert shape_grid.value_width(config, "sdpa", 16) == config.head_dim + (0 if wide.endswith("_kernels") else padded)
 
 
 @pytest.mark.slow  # spawns a process (~7 s of imports)

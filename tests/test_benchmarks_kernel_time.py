@@ -24,17 +24,18 @@ class KernelOps(TorchDispatchMode):
         self.ops: list[tuple[str, tuple]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "scaled_dot_product" in func.name():
+        if "scaled_dot_product" in func.name() or "causal_attention" in func.name():
             shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
             self.ops.append((func.name(), shapes))
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("variant", ["standard", "qk_map_compact", "qk_map_wide"])
+@pytest.mark.usefixtures("one_thread", "fused_kernel")
+@pytest.mark.parametrize("variant", ["standard", "qk_map_compact", "qk_map_wide", "qk_map_wide_kernels"])
 def test_the_replay_runs_the_kernel_ops_of_a_training_step_with_their_shapes(variant) -> None:
     """d16, 4 query heads on 2 key/value heads, 2 layers, T = 8: the replay dispatches the same kernel ops, forward
-    and backward, on the same shapes as the model's own step (the wide layout's values padded to the key width)."""
+    and backward, on the same shapes as the model's own step (the wide layout's values padded to the key width by
+    sdpa, at their own width by the fused attention, ``qk_map_wide_kernels``)."""
     size, T = shape_grid.shape_size(16, 4, 2, 2), 8
     model = build(variant, "cpu", torch.float32, "sdpa", size)
     ids = torch.randint(0, size["vocab_size"], (1, T))
@@ -44,6 +45,8 @@ def test_the_replay_runs_the_kernel_ops_of_a_training_step_with_their_shapes(var
     width = config.query_key_dim if variant != "standard" else config.head_dim
     assert calls[0].query.size == (1, 4, T, width) and calls[0].key.size == (1, 2, T, width)
     assert calls[0].value.size[-1] == shape_grid.value_width(config, "sdpa", T)
+    assert calls[0].value.size[-1] == (config.head_dim if variant != "qk_map_wide" else config.query_key_dim)
+    assert {call.kernel for call in calls} == {"fused" if variant.endswith("_kernels") else "sdpa"}
     assert all(p.grad is None for p in model.parameters())  # the recording step leaves no gradients behind
     with KernelOps() as in_step:
         model(ids, labels=ids).loss.backward()
@@ -51,6 +54,7 @@ def test_the_replay_runs_the_kernel_ops_of_a_training_step_with_their_shapes(var
         KernelReplay(calls)()
     assert in_step.ops and sorted(in_replay.ops) == sorted(in_step.ops)
     assert any("backward" in name for name, _ in in_replay.ops)
+    assert any("causal_attention" in name for name, _ in in_replay.ops) == variant.endswith("_kernels")
 
 
 def test_eager_attention_records_no_kernel_call() -> None:

@@ -17,9 +17,11 @@ def test_step_profile_times_every_variant_against_the_first_and_diffs_their_ops(
     assert list(results) == list(step_profile.DEFAULT_VARIANTS)
     for result in results.values():
         assert len(result["seconds"]) == len(result["faults"]) == 2 and min(result["seconds"]) > 0
-    # the fused map's ops run in the QK-MAP layouts' steps and never in standard's
+    # the fused map's ops run in the QK-MAP layouts' steps and never in standard's; the fused attention in the wide's
     assert "qkmap_v1::features" not in results["standard"]["ops"]
-    assert results["qk_map_wide_recompute_fused"]["ops"]["qkmap_v1::feature_gradients"] > 0
+    assert results["qk_map_wide_recompute_kernels"]["ops"]["qkmap_v1::feature_gradients"] > 0
+    assert results["qk_map_wide_recompute_kernels"]["ops"]["qkmap_v1::causal_attention_backward"] > 0
+    assert "qkmap_v1::causal_attention" not in results["qk_map_compact_kernels"]["ops"]
 
     lines = step_profile.report(args, results).splitlines()
     assert lines[0].startswith("d16 h4/kv2 L1 T=16") and "saved_bytes_first=True" in lines[0]

@@ -16,6 +16,7 @@ import torch
 from qkmap_hf import QKMapConfig, QKMapForCausalLM, kernels
 from qkmap_hf.cli import main as cli_main
 from qkmap_hf.modeling import feature_map_qkmap
+from qkmap_hf.modeling.attention_qkmap import FUSED_ATTENTION_OPS
 from qkmap_hf.modeling.feature_map_qkmap import FUSED_NAMESPACE, qkmap_features, qkmap_query_key_features
 from tests.utils import run_clean_python, tiny_config_kwargs, written_out_features
 
@@ -189,7 +190,7 @@ def test_the_ops_are_looked_up_again_only_when_a_library_loads(fused_kernel, mon
 
     counting = CountingOps(torch.ops)
     monkeypatch.setattr(torch, "ops", counting)
-    ops = feature_map_qkmap.FusedOps()
+    ops = feature_map_qkmap.FusedOps(("features", "feature_gradients"))
     assert ops() is not None and ops() is not None
     assert lookups == [FUSED_NAMESPACE]
     counting.loaded_libraries.add("/another/library.so")
@@ -229,15 +230,23 @@ def test_a_checkpoint_loaded_with_remote_code_runs_the_fused_ops_where_they_are_
     result = run_clean_python(code, cwd=tmp_path)
     assert result["module"].startswith("transformers_modules")
     assert result["ops"].count(f"{FUSED_NAMESPACE}.features.default") == 2 * model.config.num_hidden_layers
+    assert model.config.query_key_dim > model.config.head_dim  # the wide layout: the fused attention runs too
+    assert result["ops"].count(f"{FUSED_NAMESPACE}.causal_attention.default") == model.config.num_hidden_layers
     with torch.no_grad():
         expected = model(torch.tensor(ids)).logits.flatten()
     assert torch.allclose(torch.tensor(result["logits"]), expected, atol=1e-5)
 
 
-def test_the_kernel_source_registers_the_ops_the_model_files_look_up():
-    source = kernels.SOURCE.read_text()
-    assert re.findall(r"TORCH_LIBRARY(?:_IMPL)?\((\w+),", source) == [FUSED_NAMESPACE, FUSED_NAMESPACE]
-    assert set(re.findall(r'impl\("(\w+)"', source)) == {"features", "feature_gradients"}
+def test_the_kernel_sources_register_the_ops_the_model_files_look_up():
+    """One library, one namespace: the feature map's file claims it, the attention's adds to it."""
+    feature_map, attention = (source.read_text() for source in kernels.SOURCES)
+    assert re.findall(r"TORCH_LIBRARY(?:_IMPL)?\((\w+),", feature_map) == [FUSED_NAMESPACE, FUSED_NAMESPACE]
+    assert set(re.findall(r'impl\("(\w+)"', feature_map)) == {"features", "feature_gradients"}
+    assert re.findall(r"TORCH_LIBRARY_(FRAGMENT|IMPL)\((\w+),", attention) == [
+        ("FRAGMENT", FUSED_NAMESPACE),
+        ("IMPL", FUSED_NAMESPACE),
+    ]
+    assert set(re.findall(r'impl\("(\w+)"', attention)) == set(FUSED_ATTENTION_OPS.names)
 
 
 def test_a_build_is_keyed_by_source_torch_and_flags(monkeypatch, tmp_path):
@@ -249,10 +258,13 @@ def test_a_build_is_keyed_by_source_torch_and_flags(monkeypatch, tmp_path):
     assert kernels.kernel_path() != path
     monkeypatch.undo()
     monkeypatch.setenv("QKMAP_HF_CACHE", str(tmp_path))
-    edited = tmp_path / "feature_map_cpu.cpp"
-    edited.write_text(kernels.SOURCE.read_text() + "\n// edited\n")
-    monkeypatch.setattr(kernels, "SOURCE", edited)
-    assert kernels.kernel_path() != path
+    for index, source in enumerate(kernels.SOURCES):  # an edit of either source
+        edited = tmp_path / source.name
+        edited.write_text(source.read_text() + "\n// edited\n")
+        monkeypatch.setattr(kernels, "SOURCES", (*kernels.SOURCES[:index], edited, *kernels.SOURCES[index + 1 :]))
+        assert kernels.kernel_path() != path
+        monkeypatch.undo()
+        monkeypatch.setenv("QKMAP_HF_CACHE", str(tmp_path))
 
 
 def test_a_failed_build_leaves_no_file_and_loading_says_why(monkeypatch, tmp_path):
@@ -261,7 +273,7 @@ def test_a_failed_build_leaves_no_file_and_loading_says_why(monkeypatch, tmp_pat
     monkeypatch.setenv("QKMAP_HF_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels, "fused_kernel_loaded", lambda: False)
     monkeypatch.setenv("CXX", "/bin/false")
-    with pytest.raises(kernels.KernelBuildError, match=r"^/bin/false failed to build feature_map_cpu.cpp"):
+    with pytest.raises(kernels.KernelBuildError, match=r"^/bin/false failed to build the fused kernels"):
         kernels.build_fused_kernel()
     assert list((tmp_path / "kernels").iterdir()) == []
     with pytest.warns(RuntimeWarning, match="failed to build"):
@@ -306,7 +318,7 @@ def test_qkmap_kernels_builds_loads_and_checks_the_kernel(fused_kernel, capsys, 
     monkeypatch.setenv("CXX", "/bin/false")
     assert cli_main(["kernels"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == "qkmap kernels: error: /bin/false failed to build feature_map_cpu.cpp: exit status 1"
+    assert err[0] == "qkmap kernels: error: /bin/false failed to build the fused kernels: exit status 1"
 
 
 @pytest.mark.slow  # two fresh interpreters (~4 s of imports each)
@@ -329,7 +341,7 @@ def test_the_feature_map_benchmark_times_both_paths_per_direction(fused_kernel, 
     paths' times and their per-repeat ratio, as CSV and Markdown."""
     import csv
 
-    sys.path.insert(0, str(kernels.SOURCE.parents[2] / "benchmarks"))
+    sys.path.insert(0, str(kernels.SOURCES[0].parents[2] / "benchmarks"))
     import feature_map_kernel
 
     args = ["--head-dims", "16", "--heads", "4", "--kv-ratios", "1", "4", "--seq-lens", "8", "--repeats", "2"]

@@ -20,9 +20,10 @@ TINY_HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
 
 
 def tiny_model(**overrides) -> QKMapForCausalLM:
-    """A tiny QK-MAP model (the wide layout unless overridden) with biases, moved off its init, in training mode."""
+    """A tiny QK-MAP model (the wide layout unless overridden) with biases, moved off its init, in training mode; sdpa
+    with padded values (the fused CPU attention, which pads nothing, off unless overridden)."""
     torch.manual_seed(0)
-    fields = dict(qk_mode="qk_map", attention_bias=True, **overrides)
+    fields = dict(qk_mode="qk_map", attention_bias=True, qkmap_fused_attention=False) | overrides
     model = QKMapForCausalLM(QKMapConfig(**tiny_config_kwargs(**fields))).train()
     with torch.no_grad():
         for parameter in model.parameters():

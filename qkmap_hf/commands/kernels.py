@@ -1,4 +1,4 @@
-"""``qkmap kernels``: build (once per machine) and load the fused CPU feature map, and check it against the eager
+"""``qkmap kernels``: build (once per machine) and load the fused CPU kernels, and check them against the eager
 map (``qkmap_hf.kernels``)."""
 
 from __future__ import annotations
@@ -7,7 +7,10 @@ import argparse
 import time
 from dataclasses import dataclass, field
 
-HELP = "Build and check the fused CPU feature map (once per machine; training and inference on CPUs then run it)."
+HELP = (
+    "Build and check the fused CPU kernels, feature map and wide-key attention (once per machine; training and "
+    "inference on CPUs then run them)."
+)
 # The largest relative difference from the eager map the check accepts: float32 rounding of the same math.
 CHECK_TOLERANCE = 1e-4
 
@@ -49,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     difference = check_fused_kernel()
     if difference > CHECK_TOLERANCE:
         raise KernelBuildError(
-            f"{status.path} disagrees with the eager feature map (largest relative difference {difference:.2e}, "
+            f"{status.path} disagrees with the eager feature map or sdpa (largest relative difference {difference:.2e}, "
             f"allowed {CHECK_TOLERANCE:.0e}): remove it, run `qkmap kernels --rebuild` and report the compiler"
         )
-    print(f"check: fused against eager, largest relative difference {difference:.1e} (allowed {CHECK_TOLERANCE:.0e})")
+    print(
+        f"check: fused against eager and sdpa, largest relative difference {difference:.1e} (allowed {CHECK_TOLERANCE:.0e})"
+    )
     return 0

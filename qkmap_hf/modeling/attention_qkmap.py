@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .configuration_qkmap import QKMapConfig
 from .construction_qkmap import QKMapFeatureMap, QKMapInputRMSNorm, is_plain_linear, qkmap_native_frequencies
+from .feature_map_qkmap import FusedOps
 from .qk_registry import constructions_for, position_construction
 
 # Kernels that want queries, keys and values of one width. Values are zero-padded to the key width and
@@ -31,6 +32,10 @@ from .qk_registry import constructions_for, position_construction
 # of the whole value cache does.
 PAD_VALUES_FOR_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "vllm")
 FLASH_MAX_HEAD_DIM = 256
+# Causal attention for keys wider than values on CPUs (qkmap_hf/kernels/attention_cpu.cpp), looked up in torch.ops as
+# the feature map's kernel is: where it is loaded and takes the call (``QKMapAttention.runs_fused_attention``), the
+# values keep their width; elsewhere sdpa runs with values padded.
+FUSED_ATTENTION_OPS = FusedOps(("causal_attention", "causal_attention_backward"))
 
 
 class QKMapAttention(nn.Module):
@@ -99,7 +104,9 @@ class QKMapAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if self.decodes_one_query_over_wider_keys(implementation, query_states.shape[-2], paged):
             attention_interface = single_query_attention
-        if not paged:
+        elif self.runs_fused_attention(implementation, query_states, key_states, attention_mask, kwargs):
+            attention_interface = fused_causal_attention
+        if not paged and attention_interface is not fused_causal_attention:
             value_states = self.pad_values_for_kernel(value_states, implementation, query_states.shape[-2])
         attn_output, attn_weights = attention_interface(
             self,
@@ -143,6 +150,31 @@ class QKMapAttention(nn.Module):
             and not paged
             and self.query_key_dim != self.head_dim
             and not (self.training and self.attention_dropout > 0)
+        )
+
+    def runs_fused_attention(
+        self,
+        implementation: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        kwargs: dict | None = None,
+    ) -> bool:
+        """Whether sdpa's call runs ``fused_causal_attention`` instead (values at their own width): keys wider than
+        values, the kernel asked for (``qkmap_fused_attention``) and loaded, float32 CPU tensors, plain causal
+        attention (no mask tensor, as many queries as keys, more than one), no dropout, not under torch.compile."""
+        return (
+            implementation == "sdpa"
+            and getattr(self.config, "qkmap_fused_attention", True)
+            and self.query_key_dim > self.head_dim
+            and attention_mask is None
+            and (kwargs or {}).get("is_causal", True)
+            and 1 < query.shape[-2] == key.shape[-2]
+            and query.device.type == key.device.type == "cpu"
+            and query.dtype == key.dtype == torch.float32
+            and not (self.training and self.attention_dropout > 0)
+            and not torch.compiler.is_compiling()
+            and FUSED_ATTENTION_OPS() is not None
         )
 
     def pad_values_to_key_width(self, value_states: torch.Tensor) -> torch.Tensor:
@@ -198,6 +230,42 @@ def padded_output_projection(heads: torch.Tensor, weight: torch.Tensor, bias: to
     """``F.linear(heads.reshape(..., -1), weight, bias)`` keeping ``heads`` (a strided view) for the backward pass
     instead of its contiguous copy (``PaddedOutputProjection``)."""
     return PaddedOutputProjection.apply(heads, weight, bias)
+
+
+class FusedCausalAttention(torch.autograd.Function):
+    """``qkmap_v1.causal_attention`` and its backward pass: flash attention with values narrower than keys. Saves
+    what sdpa's flash kernel saves (queries, keys, values, output, log-sum-exp), values and output at their own
+    width."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        output, logsumexp = FUSED_ATTENTION_OPS().causal_attention(query, key, value, scale)
+        ctx.save_for_backward(query, key, value, output, logsumexp)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, logsumexp = ctx.saved_tensors
+        ops = FUSED_ATTENTION_OPS()
+        grads = ops.causal_attention_backward(grad_output, query, key, value, output, logsumexp, ctx.scale)
+        return (*grads, None)
+
+
+def fused_causal_attention(
+    module: QKMapAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of ``(batch, heads, T, Dk)`` queries over keys as wide and values narrower, by the CPU
+    kernel (``runs_fused_attention`` says where). Returns ``(batch, T, heads, Dv)`` as sdpa's interface does."""
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
+        return FusedCausalAttention.apply(query, key, value, scaling), None
+    return FUSED_ATTENTION_OPS().causal_attention(query, key, value, scaling)[0], None
 
 
 _UPDATE_TAKES_KWARGS: dict[type, bool] = {}
@@ -257,6 +325,8 @@ def single_query_attention(
 
 __all__ = [
     "FLASH_MAX_HEAD_DIM",
+    "FUSED_ATTENTION_OPS",
+    "FusedCausalAttention",
     "PAD_VALUES_FOR_IMPLEMENTATIONS",
     "PaddedOutputProjection",
     "QKMapAttention",
@@ -265,6 +335,7 @@ __all__ = [
     "qkmap_native_frequencies",
     "is_paged_cache",
     "padded_output_projection",
+    "fused_causal_attention",
     "single_query_attention",
     "update_cache",
 ]

@@ -99,6 +99,11 @@ class QKMapConfig(LlamaConfig):
       setup and training on a CPU do too). Where it is not loaded (a checkpoint used without qkmap_hf, no C++
       compiler), and for float64 or GPU tensors, the eager map (or the compiled one) runs. On by default; values
       equal the eager map's up to float rounding. It comes before ``qkmap_compile_feature_map`` where both apply.
+    - ``qkmap_fused_attention``: on a CPU, with sdpa, run causal attention whose keys are wider than its values (the
+      wide layout) as one kernel that keeps the values at their width, instead of sdpa with values zero-padded to the
+      key width (docs/performance.md: "Causal attention for wide keys on CPUs"). Loaded with the fused feature map;
+      float32, no mask tensor and as many queries as keys (training, prefill); elsewhere sdpa with padded values
+      runs. On by default; values equal sdpa's up to float rounding.
 
     Fields of every mode (ablations and tuning knobs, see ``docs/method.md``):
 
@@ -131,6 +136,7 @@ class QKMapConfig(LlamaConfig):
     qkmap_recompute_projections: bool | None = None
     qkmap_compile_feature_map: bool = False
     qkmap_fused_feature_map: bool = True
+    qkmap_fused_attention: bool = True
     logit_scale_multiplier: float = 1.0
     qk_position_prior: str = "none"
 

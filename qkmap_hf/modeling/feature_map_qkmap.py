@@ -349,10 +349,12 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FusedOps:
-    """``torch.ops.qkmap_v1`` where its ops are registered, else None. Looked up again only when a library has been
-    loaded since the last call (``torch.ops.loaded_libraries``): a failed lookup costs a registry search each time."""
+    """``torch.ops.qkmap_v1`` where the ops ``names`` are registered, else None. Looked up again only when a library
+    has been loaded since the last call (``torch.ops.loaded_libraries``): a failed lookup costs a registry search
+    each time."""
 
-    def __init__(self):
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
         self.libraries_seen = -1
         self.ops = None
 
@@ -360,12 +362,12 @@ class FusedOps:
         libraries = len(torch.ops.loaded_libraries)
         if libraries != self.libraries_seen:
             namespace = getattr(torch.ops, FUSED_NAMESPACE)
-            found = all(hasattr(namespace, name) for name in ("features", "feature_gradients"))
+            found = all(hasattr(namespace, name) for name in self.names)
             self.ops, self.libraries_seen = (namespace if found else None), libraries
         return self.ops
 
 
-FUSED_OPS = FusedOps()
+FUSED_OPS = FusedOps(("features", "feature_gradients"))
 
 
 def _runs_fused(fused: bool, z: torch.Tensor) -> bool:
