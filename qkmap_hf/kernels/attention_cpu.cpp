@@ -32,8 +32,9 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Rows of queries and keys per block: of 64/128/256 x 256/512, 64 x 256 was fastest or within 2 % of it forward and
-// backward on d64 and d128 shapes at T = 512-2048 on this machine (2 threads; docs/performance.md).
+// Rows of queries and keys per block: of 64/128/256 x 256/512, 64 x 256 was the fastest or within 1.5 % of it
+// (forward and backward, 2 threads, 2026-12-06) at d64 h8/kv2 T = 2048, d64 h8/kv8 T = 512 and d128 h2/kv2
+// T = 512 and 1024 on this machine.
 constexpr int64_t kQueryBlock = 64;
 constexpr int64_t kKeyBlock = 256;
 
