@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from qkmap_hf.fileio import atomic_write_text
 from qkmap_hf.modeling.feature_map_qkmap import qkmap_query_key_features
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_overhead import add_threads_option, require_fused_kernel, use_threads, variant_config  # noqa: E402
-from shape_grid import grid_shapes, print_run, shape_label, write_csv  # noqa: E402
+from shape_grid import add_kernel_shape_options, grid_shapes, shape_label, write_kernel_run  # noqa: E402
 
 LAYOUTS = ("qk_map_wide", "qk_map_compact")
 PATHS = ("eager", "fused")
@@ -115,11 +114,7 @@ def markdown(rows: list[dict]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output-dir", type=Path, default=Path("runs/feature_map_kernel"))
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--heads", type=int, nargs="+", default=[2, 8, 16], help="query heads")
-    p.add_argument("--kv-ratios", type=int, nargs="+", default=[1, 4], help="query heads per key head (1: no GQA)")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
+    add_kernel_shape_options(p, "runs/feature_map_kernel")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=10, help="calls per repeat (their mean is the repeat's value)")
@@ -140,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             for seq_len in args.seq_lens:
                 print(f"[feature map] {label} {layout} T={seq_len}", file=sys.stderr, flush=True)
                 rows += rows_of(label, layout, seq_len, measure(config, seq_len, args))
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(args.output_dir / "feature_map_kernel.csv", rows, FIELDS)
-    table = markdown(rows)
-    atomic_write_text(args.output_dir / "feature_map_kernel.md", table + "\n")
-    settings = f"threads={torch.get_num_threads()} torch={torch.__version__} repeats={args.repeats} calls={args.calls}"
-    print_run(settings, skipped, table)
+    write_kernel_run(args, "feature_map_kernel", rows, FIELDS, markdown(rows), skipped)
     return 0
 
 

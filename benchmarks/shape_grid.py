@@ -835,6 +835,25 @@ def stored_summary_rows(directory: Path) -> list[dict] | None:
     return [row for part in parts for row in json.loads(part.read_text())["summary"]] if parts else None
 
 
+def add_kernel_shape_options(p: argparse.ArgumentParser, output_dir: str) -> None:
+    """The grid's shape options as the one-layer kernel benchmarks take them (``feature_map_kernel.py``,
+    ``attention_kernel.py``): head_dims, heads, GQA ratios, lengths, and where to write."""
+    p.add_argument("--output-dir", type=Path, default=Path(output_dir))
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--heads", type=int, nargs="+", default=[2, 8, 16], help="query heads")
+    p.add_argument("--kv-ratios", type=int, nargs="+", default=[1, 4], help="query heads per key head (1: no GQA)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
+
+
+def write_kernel_run(args: argparse.Namespace, name: str, rows: list[dict], fields, table: str, skipped: list[str]):
+    """A one-layer kernel benchmark's records (``<name>.csv``, ``<name>.md`` in ``--output-dir``) and its printout."""
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(args.output_dir / f"{name}.csv", rows, fields)
+    atomic_write_text(args.output_dir / f"{name}.md", table + "\n")
+    settings = f"threads={torch.get_num_threads()} torch={torch.__version__} repeats={args.repeats} calls={args.calls}"
+    print_run(settings, skipped, table)
+
+
 def print_run(settings: str, skipped: list[str], table: str) -> None:
     """What a grid-shaped benchmark prints: its settings line, the shapes it skipped (named), then its table."""
     print(settings)

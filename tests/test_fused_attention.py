@@ -150,3 +150,31 @@ def test_elsewhere_sdpa_with_padded_values_runs_with_the_same_logits(case, fused
         torch.manual_seed(4)
         reference = without_fused_attention(model)(ids, **inputs).logits
         assert (logits - reference).abs().max().item() < 1e-6
+
+
+def test_the_kernel_benchmark_times_every_path_against_standard_sdpa(tmp_path, one_thread, fused_attention_calls):
+    """benchmarks/attention_kernel.py on a tiny grid: per shape, length and direction, each path's time and its ratio
+    to standard's sdpa (1 against itself), and the wide layout's fused time against the kernel at standard's widths.
+    """
+    import csv
+    import sys
+
+    sys.path.insert(0, str(kernels.SOURCES[0].parents[2] / "benchmarks"))
+    import attention_kernel
+
+    args = ["--head-dims", "16", "--heads", "4", "--kv-ratios", "4", "--seq-lens", "70", "--repeats", "2"]
+    assert attention_kernel.main([*args, "--calls", "1", "--output-dir", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "attention_kernel.csv").open()))
+    paths = [*attention_kernel.PATHS, "wide_fused / standard_fused"]
+    assert [(r["shape"], r["direction"], r["path"]) for r in rows] == [
+        ("d16 h4/kv1", direction, path) for direction in ("forward", "train") for path in paths
+    ]
+    for row in rows:
+        ratio = float(row["ratio"])
+        assert float(row["ms"]) > 0 and float(row["ratio_min"]) <= ratio <= float(row["ratio_max"])
+        if row["path"] == "standard_sdpa":
+            assert ratio == 1.0
+    # the fused paths ran the kernel: warm-up and 2 repeats of 1 call, two paths, forward and train (+ its backward)
+    assert fused_attention_calls.count("causal_attention") == 2 * 2 * 3
+    assert fused_attention_calls.count("causal_attention_backward") == 2 * 3
+    assert (tmp_path / "attention_kernel.md").read_text().count("\n") == 2 + len(rows)

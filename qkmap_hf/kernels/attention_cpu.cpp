@@ -4,9 +4,10 @@
 // against values head_dim wide (docs/performance.md, "Causal attention for wide keys on CPUs"). torch's CPU flash
 // kernel wants one width, so values were zero-padded to the key width: twice the value FLOPs and bytes. This is the
 // flash-attention algorithm (online softmax over key blocks forward; the scores recomputed from the saved
-// log-sum-exp backward) with values at their own width. Its products are oneDNN's batch-reduce GEMM
-// (at::native::cpublas::brgemm, BLAS where that is missing) on row-major blocks, so every operand a product would
-// read transposed is transposed once per head first. GQA heads read their key/value head in place.
+// log-sum-exp backward) with values at their own width. Its products are torch's batch-reduce GEMM
+// (at::native::cpublas::brgemm, exported where the plain cpublas::gemm is not) on row-major blocks, so every
+// operand a product would read transposed is transposed once per head first. GQA heads read their key/value head
+// in place.
 //
 // Registered as torch.ops.qkmap_v1.causal_attention / causal_attention_backward, next to the feature map's ops in
 // the same library (qkmap_hf/kernels/__init__.py builds both files into one). The model files call it where it is
@@ -72,7 +73,7 @@ inline void scale_row(float* x, int64_t n, float s) {
   at::vec::map([s](Vec v) { return v * Vec(s); }, x, x, n);
 }
 
-// C (m x n, ld_c) (+)= A (m x k, ld_a) . B (k x n, ld_b), row-major, one thread (oneDNN's brgemm, else BLAS).
+// C (m x n, ld_c) (+)= A (m x k, ld_a) . B (k x n, ld_b), row-major, on this thread (torch's exported brgemm).
 inline void matmul(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b, int64_t ld_b,
                    float* c, int64_t ld_c, bool accumulate) {
   at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, accumulate, a, b, c, false);
@@ -161,7 +162,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
                   lse.scalar_type() == at::kFloat,
               "qkmap_v1.causal_attention_backward: float32 grad_output, output and logsumexp only");
   TORCH_CHECK(grad_output.sizes() == output.sizes() && output.size(0) == query.size(0) &&
-                  output.size(1) == query.size(2) && output.size(2) == query.size(1) && output.size(3) == value.size(3) &&
+                  output.size(1) == query.size(2) && output.size(2) == query.size(1) &&
+                  output.size(3) == value.size(3) &&
                   lse.numel() == query.size(0) * query.size(1) * query.size(2) && lse.is_contiguous(),
               "qkmap_v1.causal_attention_backward: grad_output and output must be (B, T, H, Dv) and logsumexp "
               "(B, H, T) contiguous, as causal_attention returns them");

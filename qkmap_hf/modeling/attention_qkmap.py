@@ -25,7 +25,8 @@ from .feature_map_qkmap import FusedOps
 from .qk_registry import constructions_for, position_construction
 
 # Kernels that want queries, keys and values of one width. Values are zero-padded to the key width and
-# the output sliced back: exact, and it keeps the fused kernels (CPU sdpa leaves its fused path otherwise).
+# the output sliced back: exact, and it keeps the fused kernels (CPU sdpa leaves its fused path otherwise). On CPUs
+# the fused attention below (``FUSED_ATTENTION_OPS``) takes sdpa's plain causal calls without padding.
 # vLLM's attention ("vllm", its Transformers backend) keeps one head size for keys and values on CPU (and its own
 # padding needs contiguous values). flex_attention takes values narrower than queries/keys as they are. A single
 # query token (decoding) skips the padding for sdpa too: its T x 1 scores cost nothing on the unfused path, the copy
