@@ -134,9 +134,14 @@ class QKMapAttention(nn.Module):
         ``o_proj`` (``is_plain_linear``). Elsewhere the view would keep the wider output alive for nothing."""
         if implementation != "sdpa" or not (torch.is_grad_enabled() and heads.requires_grad):
             return False
-        if self.training and self.attention_dropout > 0:
+        if self.drops_attention():
             return False
         return is_plain_linear(self.o_proj, heads)
+
+    def drops_attention(self) -> bool:
+        """Whether this call applies attention dropout (training with a rate above 0): the kernels' special paths
+        (the padded-output view, the one-query path, the fused attention) take no dropout and leave it to sdpa."""
+        return self.training and self.attention_dropout > 0
 
     def num_heads_out(self, attn_output: torch.Tensor) -> int:
         """Heads in a kernel's output: the last dim holds one head (``(..., heads, width)``) unless it holds all of
@@ -150,7 +155,7 @@ class QKMapAttention(nn.Module):
             and query_length == 1
             and not paged
             and self.query_key_dim != self.head_dim
-            and not (self.training and self.attention_dropout > 0)
+            and not self.drops_attention()
         )
 
     def runs_fused_attention(
@@ -173,7 +178,7 @@ class QKMapAttention(nn.Module):
             and 1 < query.shape[-2] == key.shape[-2]
             and query.device.type == key.device.type == "cpu"
             and query.dtype == key.dtype == torch.float32
-            and not (self.training and self.attention_dropout > 0)
+            and not self.drops_attention()
             and not torch.compiler.is_compiling()
             and FUSED_ATTENTION_OPS() is not None
         )
