@@ -7,7 +7,7 @@
 #   benchmarks/gpu_check.sh --cpu-smoke   # the same steps on the CPU with tiny sizes (flash: not on a CPU)
 #
 # Steps, each under its own timeout, each reported PASS/FAIL in the summary at the end:
-#   1. tests/test_gpu.py on the device: bf16 against fp32 and the cache for every mode, the feature map's custom
+#   1. tests/plugin/test_gpu.py on the device: bf16 against fp32 and the cache for every mode, the feature map's custom
 #      backward against the written-out formula, the wide layout's sdpa training step and decoding against eager,
 #      the parameter rows decoding keeps between tokens after a move to the device and an update there, the
 #      compiled feature map (qkmap_compile_feature_map: Triton) against the eager one;
@@ -102,7 +102,7 @@ else
 fi
 
 rm -rf "$OUT"/bench_* "$OUT/grid" "$OUT/grid_static" "$OUT/map_share" "$OUT/compiled"  # the table at the end must not show an earlier run's CSVs
-step gpu_tests "$T_TESTS" env QKMAP_TEST_DEVICE="$DEVICE" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
+step gpu_tests "$T_TESTS" env QKMAP_TEST_DEVICE="$DEVICE" python3 -m pytest -q -x -p no:cacheprovider tests/plugin/test_gpu.py
 step kernel_paths "$T_PATHS" python3 benchmarks/kernel_paths.py --device "$DEVICE" --dtype "$DTYPE" --paths "${PATHS[@]}"
 for path in "${PATHS[@]}"; do
     case $path in

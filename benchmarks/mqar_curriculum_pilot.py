@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qkmap_hf.modeling.modeling_qkmap import QKMapForCausalLM  # noqa: E402
 from qkmap_hf.training.presets import preset_config  # noqa: E402
-from qkmap_hf.training.synthetic import IGNORE_INDEX, CopyTask, MQARTask  # noqa: E402
+from qkmap_lab.synthetic import IGNORE_INDEX, CopyTask, MQARTask  # noqa: E402
 
 
 def main() -> int:

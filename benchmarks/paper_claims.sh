@@ -5,7 +5,7 @@
 #    Shakespeare. Every arm gets the same grid (logit_scale_multiplier 1 or 4); each arm's choice is made on the tuning
 #    split with tuning seed 1000 and rerun on report seeds 0, 1, 2, measured on the disjoint report split. The report
 #    runs are kept as checkpoints (--save-models).
-# 2. `python -m qkmap_hf.paper_claims`: `qkmap analyze`'s measures on every saved model (and on each arm at init),
+# 2. `python -m qkmap_lab.paper_claims`: `qkmap analyze`'s measures on every saved model (and on each arm at init),
 #    then per claim a table with paired 95 % intervals against qk_norm and standard, and the plots.
 # qkmap_logit_scale=null pins QK-MAP's base scale at 1/sqrt(m) (the default when this ran; the default is now "auto",
 # chosen from this run), so the multiplier means the same for every mode: x the mode's textbook scale.
@@ -29,7 +29,7 @@ ${QKMAP:-python -m qkmap_hf} compare "${COMMON[@]}" --output-dir "$OUT" --tune l
     --variant "qk_map_f2_w10:qk_mode=qk_map,qkmap_num_frequencies=2,qkmap_input_dim=32,qkmap_max_frequency=10" \
     --variant "qk_map_f4_w10:qk_mode=qk_map,qkmap_num_frequencies=4,qkmap_input_dim=16,qkmap_max_frequency=10" \
     "$@"
-python -m qkmap_hf.paper_claims "$OUT"
+python -m qkmap_lab.paper_claims "$OUT"
 # 3. Evidence for the default logit scale (docs/paper-claims.md, "Defaults"): QK-MAP at the scale it did not choose
 #    (x1), on the same report seeds and report split, paired with the x4 runs of step 1.
 ${QKMAP:-python -m qkmap_hf} compare "${COMMON[@]}" --output-dir "$OUT-scale1" \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the arms of one `qkmap compare` as SHARDS parallel processes (one thread each, niced), each in OUT/shard-K
 # with every SHARDS-th arm; the data, its split and the seeds are the same in every shard, so reports pair runs
-# across shards (python -m qkmap_hf.stability / qkmap_hf.task_report read OUT/shard-*). Resumable like qkmap compare.
+# across shards (python -m qkmap_lab.stability / qkmap_lab.task_report read OUT/shard-*). Resumable like qkmap compare.
 #   usage: benchmarks/sharded_compare.sh OUT "ARM ARM ..." [qkmap compare flags...]
 set -euo pipefail
 OUT=$1 ARMS=($2)

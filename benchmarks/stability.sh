@@ -23,5 +23,5 @@ bash "$(dirname "$0")/sharded_compare.sh" "$OUT" "$ARMS" --data "${FILES[@]}" --
     --batch-size 16 --steps "$STEPS" --seeds 3 --first-seed 0 --tuning-seeds 1 --tuning-first-seed 1000 \
     --max-eval-blocks 96 --eval-steps 100 --qkmap-lr-multiplier 1 --monitor-steps 50 \
     --tune "learning_rate=$LEARNING_RATES" "$@" || status=1
-python -m qkmap_hf.stability "$OUT" --output-dir "$OUT/report"
+python -m qkmap_lab.stability "$OUT" --output-dir "$OUT/report"
 exit $status

@@ -7,7 +7,7 @@
 # inside which every arm's choice fell on both tasks; {1, 4} left QK-MAP on its edge) on the tuning split with tuning seed
 # 1000, each arm's choice rerun with report seeds 0, 1, 2 on the disjoint report split and saved. The instances run
 # side by side, one niced one-thread process each (SHARDS=1 of benchmarks/sharded_compare.sh; SHARDS=2 splits an
-# instance's arms over two). Then the accuracy report (qkmap_hf.task_report, with the saved models scored on other
+# instance's arms over two). Then the accuracy report (qkmap_lab.task_report, with the saved models scored on other
 # pair counts and lengths: GENERALIZE) and `qkmap analyze --task` (evidence contrast, evidence key scale) on every
 # saved model of every instance, which the report summarises per arm over seeds with paired intervals.
 # Arms: the modes, both position-prior controls, F = 1/2/4 at equal key width (32), the compact layout (keys as wide
@@ -46,7 +46,7 @@ done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 if [[ " $* " == *" --tune-only "* ]]; then
-    python -m qkmap_hf.task_report "${folders[@]}" --tuning-only --output-dir "$OUT/report" || status=1
+    python -m qkmap_lab.task_report "${folders[@]}" --tuning-only --output-dir "$OUT/report" || status=1
     exit $status
 fi
 for index in "${!folders[@]}"; do
@@ -57,5 +57,5 @@ for index in "${!folders[@]}"; do
             --output-dir "${folders[index]}/analysis" || status=1
     fi
 done
-python -m qkmap_hf.task_report "${folders[@]}" --output-dir "$OUT/report" --generalize $GENERALIZE || status=1
+python -m qkmap_lab.task_report "${folders[@]}" --output-dir "$OUT/report" --generalize $GENERALIZE || status=1
 exit $status

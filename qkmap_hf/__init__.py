@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from . import moved
 from .kernels import load_fused_kernel
 from .modeling.configuration_qkmap import QK_MODES, QKMapConfig
 from .modeling.modeling_qkmap import (
@@ -34,6 +35,9 @@ QKMapConfig.register_for_auto_class("AutoConfig")
 QKMapModel.register_for_auto_class("AutoModel")
 QKMapForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 QKMapForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+# Old names of the modules that moved to the research lab (qkmap_lab) keep importing for one release.
+moved.install()
 
 # The fused CPU kernels (feature map, wide-key attention), where this machine has built them (``qkmap kernels``):
 # loading never compiles.

@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..flags import comma_floats, default_of, parsed_by
-from ..task_probes import DEFAULT_KEY_SCALES, PROBED_TASKS, task_probes
+from ..flags import comma_floats, parsed_by
+from ..task_sources import DEFAULT_KEY_SCALES, DEFAULT_PROBE_EXAMPLES
 
 HELP = "Attention diagnostics (input-scale sensitivity, first-token mass, evidence contrast) as JSON and PNG plots."
 
@@ -36,13 +36,13 @@ class AnalyzeArguments:
     task: str | None = field(
         default=None,
         metadata={
-            "help": "run the claims' probes on synthetic task sequences instead of text: "
-            f"{' or '.join(PROBED_TASKS)}, e.g. mqar:num_pairs=4"
+            "help": "run the claims' probes on synthetic task sequences instead of text, NAME[:FIELD=VALUE,...] "
+            "from an installed task source (the lab's: mqar or salience), e.g. mqar:num_pairs=4"
         },
     )
     task_length: int = field(default=128, metadata={"help": "task sequence length"})
     task_examples: int = field(
-        default=default_of(task_probes, "examples"), metadata={"help": "task sequences from the report split"}
+        default=DEFAULT_PROBE_EXAMPLES, metadata={"help": "task sequences from the report split"}
     )
     key_scales: tuple[float, ...] = field(
         default=DEFAULT_KEY_SCALES,
@@ -93,17 +93,19 @@ def run_task(args: argparse.Namespace) -> int:
 
     from ..analysis import load_for_analysis
     from ..fileio import atomic_write_json
-    from ..training.synthetic import parse_task, task_spec
+    from ..task_sources import parse_task
 
-    task = parse_task(args.task)
+    source, task = parse_task(args.task)
+    if args.task.partition(":")[0] not in source.probed_names:
+        raise ValueError(f"--task {args.task!r}: the probes run on {' or '.join(source.probed_names)} only.")
     for name in ("task_length", "task_examples"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive integer.")
     results = []
     for path in (args.model, *args.compare):
         model, _ = load_for_analysis(path, trust_remote_code=args.trust_remote_code, dtype=getattr(torch, args.dtype))
-        entry = task_probes(
-            model.to(args.device), task, args.task_length, args.task_examples, args.seed, args.key_scales
+        entry = source.probe(
+            model.to(args.device), task, args.task_length, args.task_examples, args.seed, tuple(args.key_scales)
         )
         entry["model"] = str(path)
         results.append(entry)
@@ -116,7 +118,7 @@ def run_task(args: argparse.Namespace) -> int:
         )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "task_analysis.json", {"task": task_spec(task), "models": results})
+    atomic_write_json(out / "task_analysis.json", {"task": source.spec(task), "models": results})
     print(f"wrote {out / 'task_analysis.json'}")
     return 0
 

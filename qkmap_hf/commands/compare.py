@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from .paths import require_path, require_paths
 
     if args.task:
-        from ..training.synthetic import parse_task
+        from ..task_sources import parse_task
 
         parse_task(args.task)  # a wrong name or field is refused before anything runs
     elif not args.data:

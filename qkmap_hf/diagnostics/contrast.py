@@ -9,7 +9,7 @@ Two contrasts of ``qkmap analyze`` run through it, each a ``ContrastKind``:
   produce this contrast.
 
 Token 0 is left out of the distractors so that the attention sink does not dilute the reference. The lift itself
-is ``attention_measures.log2_lift``, which the MQAR evidence contrast (``qkmap_hf.task_probes``) uses too. The
+is ``attention_measures.log2_lift``, which the MQAR evidence contrast (the lab's task probes) uses too. The
 prompts (``(ids, kinds)`` per context length) are the probe inputs: ``attention_probes.needle_prompts`` builds
 them from the synthetic task, so this unit needs nothing of it.
 """

@@ -27,10 +27,10 @@ from typing import Any
 from ..fileio import atomic_write_csv, atomic_write_json, atomic_write_text
 from ..flags import check_numbers, collected_by, overridden, parse_overrides
 from ..modeling.configuration_qkmap import QK_MODES
+from ..task_sources import parse_task, source_for
 from .data import DataOptions
 from .options import SHARED_GROUPS, OptimizationOptions, RunOptions, shared_fields
 from .presets import PRESETS, get_preset
-from .synthetic import TASKS, answer_accuracy, answer_argmax, parse_task, task_datasets
 
 CSV_FIELDS = ("mode", "seed", "step", "split", "loss")
 TRAIN_KEYS = {"learning_rate", "qkmap_learning_rate", "qkmap_lr_multiplier", "weight_decay", "qkmap_weight_decay"}
@@ -104,7 +104,8 @@ class CompareOptions(*SHARED_GROUPS):
     task: str | None = field(
         default=None,
         metadata=_help(
-            f"a synthetic task instead of --data, NAME[:FIELD=VALUE,...] ({', '.join(TASKS)}; docs/synthetic-tasks.md)"
+            "a generated task instead of --data, NAME[:FIELD=VALUE,...] from an installed task source "
+            "(the lab's synthetic tasks: mqar, salience, copy)"
         ),
     )
     preset: str = field(default="tiny", metadata=_help(f"size preset: {', '.join(PRESETS)}"))
@@ -218,7 +219,8 @@ def prepare_data(options: CompareOptions) -> tuple[Any, tuple, int]:
     block_size = options.block_size or get_preset(options.preset).block_size
     if options.task:
         batch = options.batch_size or get_preset(options.preset).batch_size
-        datasets = task_datasets(parse_task(options.task), block_size, options.steps * batch, options.max_eval_blocks)
+        source, task = parse_task(options.task)
+        datasets = source.datasets(task, block_size, options.steps * batch, options.max_eval_blocks)
         return byte_level_tokenizer(), datasets, block_size
     if not options.data:
         raise ValueError(
@@ -319,13 +321,19 @@ def train_run(
         bf16="no",
         stop_on_divergence=True,  # a diverged run is recorded with L0 and the comparison goes on
     )
-    task_metrics = {"compute_metrics": answer_accuracy, "preprocess_logits_for_metrics": answer_argmax}
+    task_metrics = None
+    if options.task:
+        source = source_for(options.task)
+        task_metrics = {
+            "compute_metrics": source.compute_metrics,
+            "preprocess_logits_for_metrics": source.preprocess_logits_for_metrics,
+        }
     return train(
         run_options,
         datasets=datasets,
         tokenizer=tokenizer,
         save=save,
-        trainer_kwargs=task_metrics if options.task else None,
+        trainer_kwargs=task_metrics,
     )
 
 
