@@ -433,8 +433,9 @@ def test_task_accuracy_of_an_oracle_is_one_and_of_a_constant_answer_its_share(ta
 
 def test_task_report_generalization_scores_saved_models_on_other_instances(tmp_path):
     from qkmap_hf.training.data import byte_level_tokenizer
+    from qkmap_lab.task_generalization import model_digest, parse_generalize
     from qkmap_lab.task_probes import task_accuracy
-    from qkmap_lab.task_report import build_report, main, model_digest, parse_generalize
+    from qkmap_lab.task_report import build_report, main
 
     sweep = tmp_path / "mqar"
     for arm, seed in (("standard", 0), ("qk_map", 0), ("qk_map", 1)):
@@ -517,7 +518,7 @@ def test_task_report_summarises_the_probes_per_arm_over_seeds_with_paired_interv
 def test_task_report_profiles_read_every_tuning_run_finished_so_far_while_a_widened_sweep_runs(tmp_path):
     """summary.json is written when a sweep ends; a sweep widening its grid has newer tuning runs in
     sweep_losses.csv, and the per-knob profiles show them (only final-step tuning losses count)."""
-    from qkmap_lab.task_report import tuning_choices
+    from qkmap_lab.task_tuning import tuning_choices
 
     shard = tmp_path / "mqar" / "shard-0"
     shard.mkdir(parents=True)
