@@ -9,6 +9,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "paper-claims": ("qkmap_lab.paper_claims", "the paper's four claims measured on a sweep's saved models"),
     "stability": ("qkmap_lab.stability", "stability report of a learning-rate sweep"),
     "task-report": ("qkmap_lab.task_report", "accuracy report of a synthetic-task sweep"),
+    "verdicts": ("qkmap_lab.verdicts", "every research verdict by one rule, into verdicts.json and the research page"),
 }
 
 

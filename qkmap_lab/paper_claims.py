@@ -191,19 +191,20 @@ def metric_table(results: dict[str, ModelDiagnostics], metric: Metric, arms: lis
 
 
 def verdict(table: dict[str, dict], metric: Metric) -> str:
-    """The rule of the module docstring, for ``qk_map`` against ``metric.baselines``."""
+    """``qk_map`` against every one of ``metric.baselines``, each by ``verdicts.rule`` (the one rule): not supported
+    where one says so, supported where all do, else inconclusive."""
+    from qkmap_lab.verdicts import BETTER, rule
+
     if metric.claimed_sign == 0:
         return "reported, not judged"
     row = table.get(SUBJECT, {})
     intervals = [row.get(f"vs_{b}") for b in metric.baselines]
     if any(i is None or i["low"] is None for i in intervals):
         return "inconclusive (too few paired seeds)"
-    sign = metric.claimed_sign
-    if any((i["high"] < 0 if sign > 0 else i["low"] > 0) for i in intervals):
+    each = [rule([i["low"], i["high"]], BETTER[metric.claimed_sign]) for i in intervals]
+    if "not supported" in each:
         return "not supported"
-    if all((i["low"] > 0 if sign > 0 else i["high"] < 0) for i in intervals):
-        return "supported"
-    return "inconclusive"
+    return "supported" if all(v == "supported" for v in each) else "inconclusive"
 
 
 def _cell(entry: dict | None) -> str:
