@@ -30,23 +30,26 @@ COMMON=(--data "${FILES[@]}" --block-size 128 --batch-size 16 --steps "$STEPS" -
     --monitor-steps 50)
 log() { echo "[claim1-long $(date -u +%FT%TZ)] $*" | tee -a "$OUT/progress.log"; }
 
-# The learning-rate grid widened until no arm's choice is on its edge (at most 8 points).
+# The learning-rate and temperature grids widened until no arm's choice is on an edge of either (at most 8 points each).
 small="$OUT/small"
-grid=$LR_GRID
+grid=$LR_GRID temperatures=$TEMPERATURES
 [[ -f "$small/lr_grid.txt" ]] && grid=$(cat "$small/lr_grid.txt")
+[[ -f "$small/temperature_grid.txt" ]] && temperatures=$(cat "$small/temperature_grid.txt")
+keep() { echo "$2" >"$small/$1.tmp" && mv "$small/$1.tmp" "$small/$1"; }
 while true; do
-    mkdir -p "$small" && echo "$grid" >"$small/lr_grid.txt.tmp" && mv "$small/lr_grid.txt.tmp" "$small/lr_grid.txt"
-    log "small: tuning grid learning_rate=$grid x logit_scale_multiplier=$TEMPERATURES"
+    mkdir -p "$small" && keep lr_grid.txt "$grid" && keep temperature_grid.txt "$temperatures"
+    log "small: tuning grid learning_rate=$grid x logit_scale_multiplier=$temperatures"
     bash "$HERE/../../benchmarks/sharded_compare.sh" "$small" "$ARMS" --preset claims-cpu "${COMMON[@]}" \
-        --tune "learning_rate=$grid" --tune "logit_scale_multiplier=$TEMPERATURES" --tune-only
-    widened=$($PY "$HERE/widen_grid.py" "$small" --grid "$grid" --steps "$STEPS")
-    [[ "$widened" == "$grid" ]] && break
-    log "small: a choice is on the learning-rate grid's edge: widened to $widened"
-    grid=$widened
+        --tune "learning_rate=$grid" --tune "logit_scale_multiplier=$temperatures" --tune-only
+    wider_lr=$($PY "$HERE/widen_grid.py" "$small" --grid "$grid" --steps "$STEPS")
+    wider_t=$($PY "$HERE/widen_grid.py" "$small" --grid "$temperatures" --steps "$STEPS" --knob logit_scale_multiplier)
+    [[ "$wider_lr" == "$grid" && "$wider_t" == "$temperatures" ]] && break
+    log "small: a choice is on a grid's edge: learning_rate=$wider_lr x logit_scale_multiplier=$wider_t"
+    grid=$wider_lr temperatures=$wider_t
 done
 log "small: report runs ($SEEDS seeds)"
 bash "$HERE/../../benchmarks/sharded_compare.sh" "$small" "$ARMS" --preset claims-cpu "${COMMON[@]}" \
-    --tune "learning_rate=$grid" --tune "logit_scale_multiplier=$TEMPERATURES"
+    --tune "learning_rate=$grid" --tune "logit_scale_multiplier=$temperatures"
 log "small: done"
 
 # Part 2: 3 layers x 256 around the small size's choices.

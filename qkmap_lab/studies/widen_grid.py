@@ -1,8 +1,9 @@
-"""The learning-rate grid of a sharded tuning sweep, widened where any arm's choice lands on its edge.
+"""A knob's grid of a sharded tuning sweep, widened where any arm's choice lands on its edge.
 
-``python widen_grid.py SWEEP --grid 3e-4,1e-3,... --steps N`` prints the grid to run next: the same grid when every
-arm has finished its tuning runs and no arm's lowest tuning loss is at the grid's smallest or largest learning rate,
-else the grid with the next half-decade added on that side (every arm gets the same grid: equal tuning effort).
+``python widen_grid.py SWEEP --grid 3e-4,1e-3,... --steps N [--knob learning_rate]`` prints the grid to run next:
+the same grid when no arm's lowest tuning loss is at the grid's smallest or largest value of the knob, else the grid
+with the next point added on that side (every arm gets the same grid: equal tuning effort). The next point is a
+half-decade away for ``learning_rate`` (1, 3, 10, 30 ...) and a factor 2 away for ``logit_scale_multiplier``.
 ``--around ARM`` prints instead the three half-decade points around ARM's chosen learning rate and its chosen
 ``logit_scale_multiplier`` (the second size's grid).
 """
@@ -41,22 +42,31 @@ def step_rate(rate: float, half_decades: int) -> float:
     return float(f"{10 ** (position / 2):.1g}")
 
 
-def widened(grid: list[float], chosen: dict[str, dict[str, float]]) -> list[float]:
-    rates = [c["learning_rate"] for c in chosen.values()]
+def step_factor(value: float, steps: int) -> float:
+    """``value`` moved by ``steps`` factors of 2 (the temperature grid's x0.25 ... x4)."""
+    return value * 2.0**steps
+
+
+STEPS = {"learning_rate": step_rate, "logit_scale_multiplier": step_factor}
+
+
+def widened(grid: list[float], chosen: dict[str, dict[str, float]], knob: str = "learning_rate") -> list[float]:
+    values, step = [c[knob] for c in chosen.values()], STEPS[knob]
     grid = sorted(grid)
     if len(grid) >= MAX_POINTS:
         return grid
-    if any(math.isclose(r, grid[0]) for r in rates):
-        grid = [step_rate(grid[0], -1), *grid]
-    if any(math.isclose(r, grid[-1]) for r in rates) and len(grid) < MAX_POINTS:
-        grid = [*grid, step_rate(grid[-1], 1)]
+    if any(math.isclose(v, grid[0]) for v in values):
+        grid = [step(grid[0], -1), *grid]
+    if any(math.isclose(v, grid[-1]) for v in values) and len(grid) < MAX_POINTS:
+        grid = [*grid, step(grid[-1], 1)]
     return grid
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep", type=Path)
-    parser.add_argument("--grid", required=True, help="the learning rates run so far, comma-separated")
+    parser.add_argument("--grid", required=True, help="the knob's values run so far, comma-separated")
+    parser.add_argument("--knob", default="learning_rate", choices=sorted(STEPS), help="the knob whose grid to widen")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--around", help="print ARM's three-point learning-rate grid and its temperature")
     args = parser.parse_args()
@@ -68,7 +78,7 @@ def main() -> None:
         points = [step_rate(rate, -1), rate, step_rate(rate, 1)]
         print(",".join(f"{p:g}" for p in points), f"{pick['logit_scale_multiplier']:g}")
         return
-    print(",".join(f"{p:g}" for p in widened(grid, chosen)))
+    print(",".join(f"{p:g}" for p in widened(grid, chosen, args.knob)))
 
 
 if __name__ == "__main__":
