@@ -12,14 +12,23 @@ import importlib.util
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from . import moved
 from .kernels import load_fused_kernel
 from .modeling.configuration_qkmap import QK_MODES, QKMapConfig
 from .modeling.modeling_qkmap import (
     QKMapForCausalLM,
+    QKMapForQuestionAnswering,
     QKMapForSequenceClassification,
+    QKMapForTokenClassification,
     QKMapModel,
     QKMapPreTrainedModel,
     qkmap_features,
@@ -30,11 +39,15 @@ AutoConfig.register("qkmap", QKMapConfig, exist_ok=True)
 AutoModel.register(QKMapConfig, QKMapModel, exist_ok=True)
 AutoModelForCausalLM.register(QKMapConfig, QKMapForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(QKMapConfig, QKMapForSequenceClassification, exist_ok=True)
+AutoModelForQuestionAnswering.register(QKMapConfig, QKMapForQuestionAnswering, exist_ok=True)
+AutoModelForTokenClassification.register(QKMapConfig, QKMapForTokenClassification, exist_ok=True)
 # save_pretrained copies the modeling files into the checkpoint for classes registered for an Auto class.
 QKMapConfig.register_for_auto_class("AutoConfig")
 QKMapModel.register_for_auto_class("AutoModel")
 QKMapForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 QKMapForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+QKMapForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
+QKMapForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
 
 # Old names of the modules that moved to the research lab (qkmap_lab) keep importing for one release.
 moved.install()
@@ -70,7 +83,9 @@ __all__ = [
     "QK_MODES",
     "QKMapConfig",
     "QKMapForCausalLM",
+    "QKMapForQuestionAnswering",
     "QKMapForSequenceClassification",
+    "QKMapForTokenClassification",
     "QKMapModel",
     "QKMapPreTrainedModel",
     "__version__",

@@ -35,6 +35,8 @@ AUTO_MAP = {
     "AutoModel": "modeling_qkmap.QKMapModel",
     "AutoModelForCausalLM": "modeling_qkmap.QKMapForCausalLM",
     "AutoModelForSequenceClassification": "modeling_qkmap.QKMapForSequenceClassification",
+    "AutoModelForQuestionAnswering": "modeling_qkmap.QKMapForQuestionAnswering",
+    "AutoModelForTokenClassification": "modeling_qkmap.QKMapForTokenClassification",
 }
 
 

@@ -21,15 +21,22 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention_qkmap import QKMapAttention, single_query_attention
@@ -37,7 +44,7 @@ from .configuration_qkmap import QKMapConfig
 from .construction_qkmap import QKMapFeatureMap, QKMapInputRMSNorm
 from .feature_map_qkmap import qkmap_features
 from .position_prior import QKPositionPrior
-from .qk_registry import QK_CONSTRUCTIONS, position_construction
+from .qk_registry import constructions_for, position_construction
 
 # transformers 5.24 renamed the cache argument and output field from ``past_key_values`` to ``cache``.
 # One name per installed version keeps this file working across the supported 5.x range.
@@ -45,6 +52,15 @@ _MASK_CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).pa
 _OUTPUT_CACHE_FIELD = (
     "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 )
+
+
+def cache_keyword(forward):
+    """The cache keyword as the installed transformers' own models take it: where it is ``cache`` (5.24 on),
+    ``past_key_values`` still works with Llama's deprecation notice; before, ``past_key_values`` is the name."""
+    if _MASK_CACHE_ARG == "past_key_values":
+        return forward
+    return deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")(forward)
+
 
 # --------------------------------------------------------------------------------------------------
 # Llama's layout around QKMapAttention
@@ -94,7 +110,6 @@ class QKMapPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["QKMapDecoderLayer"]
-    _keep_in_fp32_modules = sorted({name for c in QK_CONSTRUCTIONS for name in c.float32_modules})
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -104,6 +119,12 @@ class QKMapPreTrainedModel(PreTrainedModel):
         "hidden_states": QKMapDecoderLayer,
         "attentions": QKMapAttention,
     }
+
+    def post_init(self) -> None:
+        """``PreTrainedModel.post_init``, with the modules kept in float32 those of this config's constructions only
+        (a ``qk_norm`` or ``standard`` model has no ``qk_map`` module)."""
+        self._keep_in_fp32_modules = sorted({n for c in constructions_for(self.config) for n in c.float32_modules})
+        super().post_init()
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -153,6 +174,7 @@ class QKMapModel(QKMapPreTrainedModel):
             self._keys_to_ignore_on_load_unexpected = [r"self_attn\.[qk]_norm\.reference_scale$"]
         self.post_init()
 
+    @cache_keyword
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -260,6 +282,8 @@ class QKMapForCausalLM(QKMapPreTrainedModel, GenerationMixin):
             manager._create_batch_processor = create_sized
         return manager
 
+    @cache_keyword
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -280,6 +304,7 @@ class QKMapForCausalLM(QKMapPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # a tuple, where asked for, is made once, at the end (can_return_tuple)
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -297,13 +322,36 @@ class QKMapForCausalLM(QKMapPreTrainedModel, GenerationMixin):
         )
 
 
-class QKMapForSequenceClassification(GenericForSequenceClassification, QKMapPreTrainedModel): ...
+class QKMapHeadMixin:
+    """Builds a transformers generic head (``GenericFor*``) on ``QKMapModel``.
+
+    The generic heads build their body with ``AutoModel.from_config(config)``. In a process that loads a saved folder
+    as remote code, the config's class comes from another copy of ``configuration_qkmap`` than this file's (transformers
+    loads each class with its own files), so no registration made in advance matches it, and the body's lookup asks
+    for ``trust_remote_code`` again. Registering the config's own class first finds this file's ``QKMapModel``.
+    """
+
+    def __init__(self, config: QKMapConfig) -> None:
+        AutoModel.register(type(config), QKMapModel, exist_ok=True)
+        super().__init__(config)
+
+
+class QKMapForSequenceClassification(QKMapHeadMixin, GenericForSequenceClassification, QKMapPreTrainedModel): ...
+
+
+class QKMapForQuestionAnswering(QKMapHeadMixin, GenericForQuestionAnswering, QKMapPreTrainedModel):
+    base_model_prefix = "transformer"  # Llama's name for the body of this head: its checkpoints load unchanged
+
+
+class QKMapForTokenClassification(QKMapHeadMixin, GenericForTokenClassification, QKMapPreTrainedModel): ...
 
 
 __all__ = [
     "QKMapAttention",
     "QKMapFeatureMap",
     "QKMapForCausalLM",
+    "QKMapForQuestionAnswering",
+    "QKMapForTokenClassification",
     "QKMapInputRMSNorm",
     "QKMapForSequenceClassification",
     "QKMapModel",
