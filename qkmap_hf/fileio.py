@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConversionError
-from .locking import hidden_temp_prefix
+from .locking import TEMPORARY_MARKER, hidden_temp_prefix
 
 
 @contextmanager
@@ -71,6 +71,16 @@ def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> Path:
     return Path(target)
 
 
+def mark_temporary(folder: Path) -> None:
+    """Mark ``folder`` as this package's temporary: only marked ones are ever removed (``qkmap_hf.locking``)."""
+    (folder / TEMPORARY_MARKER).write_text(f"{os.getpid()}\n", encoding="utf-8")
+
+
+def unmark_temporary(folder: Path) -> None:
+    """Remove the marker before the folder becomes the user's (renamed into place or put back)."""
+    (folder / TEMPORARY_MARKER).unlink(missing_ok=True)
+
+
 @contextmanager
 def staged_folder(folder: str | os.PathLike, drop: Callable[[Path], bool] = lambda entry: False) -> Iterator[Path]:
     """A hidden folder beside ``folder`` (``.NAME.tmp-PID-*``) to save into; when the block succeeds its entries
@@ -80,7 +90,9 @@ def staged_folder(folder: str | os.PathLike, drop: Callable[[Path], bool] = lamb
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=hidden_temp_prefix(folder), dir=folder.parent))
     try:
+        mark_temporary(staging)
         yield staging
+        unmark_temporary(staging)
         folder.mkdir(exist_ok=True)
         for entry in sorted(folder.iterdir()):
             if (staging / entry.name).exists() or not drop(entry):
@@ -113,7 +125,9 @@ def atomic_directory(dst: Path, overwrite: bool) -> Iterator[Path]:
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)
+        mark_temporary(tmp)
         yield tmp
+        unmark_temporary(tmp)
         for path in sorted(tmp.iterdir()):
             if path.is_file():
                 _fsync(path, os.O_RDONLY)
@@ -123,9 +137,11 @@ def atomic_directory(dst: Path, overwrite: bool) -> Iterator[Path]:
                 raise ConversionError(f"DST {dst} was filled by someone else during the conversion; not replacing it.")
             old = dst.parent / f"{hidden_temp_prefix(dst, 'old')}{uuid.uuid4().hex[:8]}"
             dst.rename(old)
+            mark_temporary(old)
             try:
                 tmp.rename(dst)
             except BaseException:
+                unmark_temporary(old)
                 old.rename(dst)
                 raise
             shutil.rmtree(old, ignore_errors=True)

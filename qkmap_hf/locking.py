@@ -7,9 +7,13 @@ replaces the folder by a rename). The lock file records the holder's pid; a seco
 kernel releases the lock when the process dies, however it dies, so a stale lock file never blocks anyone.
 
 Hidden temporary folders beside a folder (``.NAME.tmp-PID-*``, ``.NAME.old-PID-*``: ``hidden_temp_prefix``) carry
-their writer's pid. Under the lock, those whose writer is gone are left-overs of a run killed mid-write
-(``kill -9``, power loss); ``remove_stale_temporaries`` deletes them (or puts back a folder a dead run had moved
-aside and not replaced) and says so.
+their writer's pid in the name and a marker file inside (``TEMPORARY_MARKER``, written by ``fileio.mark_temporary``). Under the lock,
+those whose writer is gone are left-overs of a run killed mid-write (``kill -9``, power loss);
+``remove_stale_temporaries`` deletes them (or puts back a folder a dead run had moved aside and not replaced) and
+says so. A folder without both, however its name looks (a user's ``.converted.tmp-notes/``), is never touched.
+
+The lock file is opened without following a symlink: a lock path that is a link (dangling or not) is refused, so
+no command writes through it to a file elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 
 LOCK_SUFFIX = ".qkmap-lock"
 _TEMP_KINDS = ("tmp", "old")
+TEMPORARY_MARKER = ".qkmap-temporary"
 
 
 class FolderLockedError(ValueError):
@@ -77,8 +82,13 @@ def output_lock(folder: str | os.PathLike, command: str = "qkmap") -> Iterator[P
     while True:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as error:
+            if error.errno == errno.ELOOP or path.is_symlink():
+                raise FolderLockedError(
+                    f"{path}: the lock file of {folder} is a symbolic link; remove it (a lock is never written "
+                    "through a link)."
+                ) from None
             if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 yield None
                 return
@@ -114,19 +124,19 @@ def output_lock(folder: str | os.PathLike, command: str = "qkmap") -> Iterator[P
 
 
 def stale_temporaries(folder: str | os.PathLike) -> list[tuple[Path, int | None]]:
-    """Hidden ``.NAME.tmp-*`` / ``.NAME.old-*`` entries beside ``folder`` whose writer is not alive, with its pid
-    (``None``: a name from before pids were recorded). Meaningful only while holding ``output_lock``."""
+    """Hidden ``.NAME.tmp-PID-*`` / ``.NAME.old-PID-*`` folders beside ``folder`` that carry this package's marker and
+    whose writer is not alive, with its pid. Meaningful only while holding ``output_lock``."""
     folder = Path(folder).expanduser().resolve()
     if not folder.parent.is_dir():
         return []
-    pattern = re.compile(rf"^\.{re.escape(folder.name)}\.(?:{'|'.join(_TEMP_KINDS)})-(?:(\d+)-)?")
+    pattern = re.compile(rf"^\.{re.escape(folder.name)}\.(?:{'|'.join(_TEMP_KINDS)})-(\d+)-")
     found = []
     for entry in sorted(folder.parent.iterdir()):
         match = pattern.match(entry.name)
-        if not match or not entry.is_dir() or entry.is_symlink():
+        if not match or not entry.is_dir() or entry.is_symlink() or not (entry / TEMPORARY_MARKER).is_file():
             continue
-        pid = int(match.group(1)) if match.group(1) else None
-        if pid is not None and _pid_alive(pid):
+        pid = int(match.group(1))
+        if _pid_alive(pid):
             continue
         found.append((entry, pid))
     return found
@@ -138,8 +148,9 @@ def remove_stale_temporaries(folder: str | os.PathLike, command: str = "qkmap") 
     folder = Path(folder).expanduser().resolve()
     handled = []
     for entry, pid in stale_temporaries(folder):
-        owner = f"pid {pid}" if pid is not None else "an earlier run"
+        owner = f"pid {pid}"
         if ".old-" in entry.name and not folder.exists():
+            (entry / TEMPORARY_MARKER).unlink(missing_ok=True)  # the folder is the user's again
             entry.rename(folder)
             print(
                 f"{command}: restored {folder} from {entry.name}, left by {owner}, which died mid-replace.",
@@ -172,6 +183,7 @@ __all__ = [
     "FolderLockedError",
     "claim_output",
     "hidden_temp_prefix",
+
     "lock_path",
     "output_lock",
     "remove_stale_temporaries",

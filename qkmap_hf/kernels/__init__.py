@@ -45,7 +45,7 @@ class KernelStatus:
     """Whether the fused CPU kernels are registered in this process, from which file, and if not, why."""
 
     loaded: bool
-    path: Path
+    path: Path | None
     reason: str = ""
     build_seconds: float | None = None
 
@@ -135,7 +135,11 @@ def load_fused_kernel(build: bool = False) -> KernelStatus:
     """Register the fused CPU kernels in this process, from this machine's build; with ``build``, compile it
     first where it is missing. Never raises for a missing compiler or a failed build: that is a ``KernelStatus``
     whose ``reason`` says why (with ``build``, also a warning), and the eager map runs."""
-    path = kernel_path()
+    try:
+        path = kernel_path()
+    except ValueError as error:  # no cache to load from ($QKMAP_HF_CACHE empty or relative): never the cwd
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        return KernelStatus(False, None, str(error))
     if fused_kernel_loaded():
         return KernelStatus(True, path)
     seconds = None

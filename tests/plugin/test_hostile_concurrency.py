@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qkmap_hf.locking import lock_path, output_lock
+from qkmap_hf.locking import TEMPORARY_MARKER, lock_path, output_lock
 from qkmap_hf.safety import folder_writer
 from qkmap_hf.tasks import data_file
 from tests.eval_utils import build_tokenizer, save_tiny_model
@@ -200,19 +200,25 @@ def test_dead_runs_temporaries_are_removed_by_the_next_run(work, capsys):
     dead = _dead_pid()
     stale = work / f".converted.tmp-{dead}-abcd1234"
     stale.mkdir()
+    (stale / TEMPORARY_MARKER).write_text(f"{dead}\n")  # what a dead run's own temporary carries
     (stale / "model.safetensors").write_bytes(b"half a shard")
-    old_style = work / ".converted.tmp-k2j3h4"  # before pids were recorded: ours to clear while we hold the lock
-    old_style.mkdir()
     alive = work / f".converted.tmp-{os.getppid()}-live0000"  # a live process's: not touched
     alive.mkdir()
+    (alive / TEMPORARY_MARKER).write_text(f"{os.getppid()}\n")
     (alive / "x").write_text("in use")
+    # The user's own folders that merely look like temporaries: no pid, or no marker inside. Never touched.
+    users = [work / ".converted.tmp-notes", work / f".converted.tmp-{dead}-mine"]
+    for folder in users:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("the user's")
     before = {path: digest for path, digest in tree_digest(work).items() if ".converted.tmp" not in path}
+    kept = tree_digest(*users)
     code, out, err = run_cli(capsys, "convert", work / "llama", dst, "--no-progress")
     assert code == 0, err
     assert f"removed {stale}, a temporary folder left by pid {dead}, which did not finish" in err
-    assert f"removed {old_style}" in err
-    assert not stale.exists() and not old_style.exists()
+    assert not stale.exists()
     assert (alive / "x").read_text() == "in use"
+    assert tree_digest(*users) == kept and not any(str(folder) in err for folder in users)
     after = tree_digest(work)
     assert {path: after[path] for path in before} == before  # every other file as it was
     assert not lock_path(dst).exists()
@@ -223,11 +229,13 @@ def test_a_folder_moved_aside_by_a_dead_run_is_put_back(work, capsys):
     code, _, err = run_cli(capsys, "convert", work / "llama", work / "first", "--no-progress")
     assert code == 0, err
     (work / "first").rename(moved)  # a run died between moving the old folder aside and moving the new one in
+    (moved / TEMPORARY_MARKER).write_text("0\n")  # which marks the folder it moved aside
     weights = tree_digest(*moved.glob("*.safetensors"))
     code, _, err = run_cli(capsys, "card", work / "converted")
     assert code == 0, err
     assert f"restored {work / 'converted'} from {moved.name}, left by pid" in err
     assert not moved.exists()
+    assert not (work / "converted" / TEMPORARY_MARKER).exists()
     assert tree_digest(*(work / "converted").glob("*.safetensors")) == {
         path.replace(str(moved), str(work / "converted")): digest for path, digest in weights.items()
     }
@@ -371,3 +379,20 @@ def test_a_full_disk_reported_by_safetensors_as_text_is_recognised(tmp_path):
     assert "it needs about 2.5 MB free on that disk" in message and "Run again with --resume" in message
     other = str(save_failed(tmp_path / "out", PermissionError(13, "Permission denied", str(tmp_path)), 1, "model"))
     assert "Permission denied" in other and "needs about" not in other and "left as it was" in other
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_lock_path_that_is_a_symlink_is_refused_and_its_target_untouched(work, dangling):
+    from qkmap_hf.locking import FolderLockedError
+
+    target = work / "elsewhere" / "precious.txt"
+    target.parent.mkdir()
+    if not dangling:
+        target.write_text("the user's file")
+    folder = work / "out"
+    lock_path(folder).symlink_to(target)
+    with pytest.raises(FolderLockedError, match="is a symbolic link") as refused, output_lock(folder):
+        pass
+    assert "\n" not in str(refused.value)
+    assert (target.read_text() == "the user's file") if not dangling else not target.exists()
+    assert lock_path(folder).is_symlink()  # left for the user to look at
