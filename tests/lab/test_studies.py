@@ -41,3 +41,25 @@ def test_a_grid_at_its_size_limit_stays(widen_grid):
     grid = [10.0**e for e in range(-8, 0)]
     assert len(grid) == widen_grid.MAX_POINTS
     assert widen_grid.widened(grid, {"a": {"learning_rate": grid[0]}}) == grid
+
+
+@pytest.mark.slow
+def test_the_gpu_scale_comparison_runs_at_tiny_size_on_a_cpu(tmp_path):
+    """The device's comparison, smoke-tested: the same command, three arms, one seed each, a summary per arm."""
+    import csv
+    import math
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        ["bash", str(STUDIES / "gpu_scale_compare.sh"), str(tmp_path), "--cpu-smoke"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    with (tmp_path / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["mode"] for row in rows] == ["standard", "qk_norm", "qk_map"]
+    assert all(
+        math.isfinite(float(row["val_loss_mean"])) and float(row["val_loss_mean"]) < 5.6 for row in rows
+    )  # < ln 257
