@@ -183,7 +183,6 @@ __all__ = [
     "FolderLockedError",
     "claim_output",
     "hidden_temp_prefix",
-
     "lock_path",
     "output_lock",
     "remove_stale_temporaries",

@@ -1,4 +1,4 @@
-"""Stability report of a learning-rate sweep (``benchmarks/stability.sh``; docs/stability.md).
+"""Stability report of a learning-rate sweep (``benchmarks/stability.sh``; qkmap_lab/notes/stability.md).
 
 ``qkmap-lab stability SWEEP_DIR [--output-dir DIR]`` reads every ``qkmap compare --tune learning_rate=...``
 sweep under ``SWEEP_DIR`` (the folder itself or its ``shard-*`` folders, which share data split and seeds) and writes

@@ -1,4 +1,4 @@
-"""Synthetic tasks where position carries no information (``qkmap compare --task``; docs/synthetic-tasks.md).
+"""Synthetic tasks where position carries no information (``qkmap compare --task``; qkmap_lab/notes/synthetic-tasks.md).
 
 On natural text at small scale a recency prior explains QK-MAP's whole measured gain, so text cannot tell magnitude
 encoding apart from position. In these tasks the evidence sits at a uniform random depth: a gain must come from
@@ -8,7 +8,7 @@ what the queries and keys encode.
   scattered, each at a uniform random depth, over filler tokens; the last ``2 * num_queries`` tokens ask for keys
   (``key value``, the value being the answer). Keys of a sequence are distinct; so are the asked keys unless
   ``num_queries > num_pairs``, which asks keys with replacement (with every pair asked once, the last answer can be
-  had by elimination, without matching a key: docs/synthetic-tasks.md). ``copy_warmup=N`` makes the first ``N``
+  had by elimination, without matching a key: qkmap_lab/notes/synthetic-tasks.md). ``copy_warmup=N`` makes the first ``N``
   training sequences ``copy`` sequences, a curriculum: the induction head that dense copying forms within ~1000
   steps answers MQAR, while MQAR's one or two labels per sequence did not form it here in 20,000 steps.
 - ``copy``: a random chunk repeated after a random gap, every repeated token after the first a label: dense

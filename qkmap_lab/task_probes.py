@@ -1,5 +1,5 @@
 """Claims 2 and 4 on models trained on a synthetic task (``qkmap analyze --task mqar|salience``;
-docs/synthetic-tasks.md).
+qkmap_lab/notes/synthetic-tasks.md).
 
 On report-split sequences of the task (``qkmap_lab.synthetic``), from each answering position (MQAR: the
 asked key in the query region; salience: the query token), whose next-token prediction is the answer:

@@ -120,7 +120,7 @@ def probe_measures(entry: dict[str, Any]) -> dict[str, float]:
     measures = {
         "accuracy": entry["accuracy"],
         # MQAR's later answers can be had by elimination (the context value not yet answered); its first answer
-        # cannot: above chance only by matching the asked key (docs/synthetic-tasks.md).
+        # cannot: above chance only by matching the asked key (qkmap_lab/notes/synthetic-tasks.md).
         "first_answer_accuracy": scale["accuracy_first_query"],
         "evidence_log2_lift": contrast["mean_log2_lift"],
         "best_head_log2_lift": contrast["best_head_log2_lift"],

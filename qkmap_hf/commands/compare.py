@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         parse_task(args.task)  # a wrong name or field is refused before anything runs
     elif not args.data:
         raise ValueError(
-            "qkmap compare needs --data PATH... or --task NAME (synthetic tasks: docs/synthetic-tasks.md)."
+            "qkmap compare needs --data PATH... or --task NAME (synthetic tasks: qkmap_lab/notes/synthetic-tasks.md)."
         )
     else:
         require_paths("--data", args.data)

@@ -20,14 +20,14 @@ QK_MODES = ("standard", "qk_norm", "qk_map")
 QKMAP_FREQUENCY_SHARING = ("channel", "head")
 QKMAP_GAIN_PARAMETRIZATIONS = ("absolute", "inverse_frequency")
 QKMAP_INITS = ("native", "exact")
-# How training treats the QK-MAP gains (docs/stability.md) and what the cos rows see: registries of the feature map.
+# How training treats the QK-MAP gains (qkmap_lab/notes/stability.md) and what the cos rows see: registries of the feature map.
 QKMAP_GAIN_TREATMENTS = tuple(GAIN_TREATMENTS)
 QKMAP_COS_BLOCKS = tuple(COS_BLOCKS)
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: below it the weights underflow to 0 (or 1/x to inf)
 QK_POSITION_PRIORS = ("none", "constant")
 # qkmap_logit_scale="auto" (the default) resolves to this factor / sqrt(m) when the config is built: chosen on a
-# disjoint report split (docs/paper-claims.md, "Defaults"). An explicit None keeps meaning 1/sqrt(m), so
+# disjoint report split (qkmap_lab/notes/paper-claims.md, "Defaults"). An explicit None keeps meaning 1/sqrt(m), so
 # checkpoints saved before the change (qkmap_logit_scale: null) load unchanged.
 QKMAP_AUTO_LOGIT_SCALE_FACTOR = 4.0
 AUTO_MAP = {
@@ -76,13 +76,13 @@ class QKMapConfig(LlamaConfig):
       near-constant part then adds the same amount to every logit of a query (softmax-invariant), so the
       relative-position prior of the rotated constant block is removed (the "no prior" ablation).
     - ``qkmap_gain_treatment``: how training treats the gains, which bound the logits
-      (``|logit| <= scale * ||a_q|| * ||a_k||``, see ``docs/stability.md``): ``"learned"`` (default: trained, no weight
+      (``|logit| <= scale * ||a_q|| * ||a_k||``, see ``qkmap_lab/notes/stability.md``): ``"learned"`` (default: trained, no weight
       decay), ``"frozen"`` (kept at their initial values), ``"decayed"`` (trained with the weight matrices' learning
       rate and weight decay), ``"normalized"`` (each cos or sin row of ``m`` gains rescaled to RMS 1 in the forward
       pass: the bound is at most ``scale * 2 F m`` whatever training does; native init only).
     - ``qkmap_cos_block``: ``"phase"`` (default: ``a_cos cos(omega z)``) or ``"constant"``: the cos rows are the
       learnable constant ``a_cos`` (``z``-independent) rotated by RoPE, so only the sine rows see ``z``: the control
-      that isolates magnitude from QK-MAP's relative-position prior (docs/synthetic-tasks.md).
+      that isolates magnitude from QK-MAP's relative-position prior (qkmap_lab/notes/synthetic-tasks.md).
     - ``qkmap_recompute_projections``: training maps ``q_proj``/``k_proj``'s outputs in one autograd node that
       keeps the layer input and recomputes the projections in the backward pass, instead of keeping ``z``: fewer
       saved activation bytes for one more pair of projection matmuls (docs/performance.md). ``None`` (default):

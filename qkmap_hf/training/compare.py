@@ -44,11 +44,11 @@ BUILTIN_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "standard_prior": ("standard", {"qk_position_prior": "constant"}),
     "qk_norm_prior": ("qk_norm", {"qk_position_prior": "constant"}),
     "qk_map_noprior": ("qk_map", {"qkmap_rotate_cos_blocks": False}),
-    # Gain treatments (docs/stability.md): whether the logit bound the gains set holds under training.
+    # Gain treatments (qkmap_lab/notes/stability.md): whether the logit bound the gains set holds under training.
     "qk_map_gains_frozen": ("qk_map", {"qkmap_gain_treatment": "frozen"}),
     "qk_map_gains_decayed": ("qk_map", {"qkmap_gain_treatment": "decayed"}),
     "qk_map_gains_normalized": ("qk_map", {"qkmap_gain_treatment": "normalized"}),
-    # The control that isolates magnitude (docs/synthetic-tasks.md): constant cos rows, only the sine rows see z.
+    # The control that isolates magnitude (qkmap_lab/notes/synthetic-tasks.md): constant cos rows, only the sine rows see z.
     "qk_map_constant_cos": ("qk_map", {"qkmap_cos_block": "constant"}),
 }
 
@@ -224,7 +224,7 @@ def prepare_data(options: CompareOptions) -> tuple[Any, tuple, int]:
         return byte_level_tokenizer(), datasets, block_size
     if not options.data:
         raise ValueError(
-            "qkmap compare needs --data PATH... or --task NAME (synthetic tasks: docs/synthetic-tasks.md)."
+            "qkmap compare needs --data PATH... or --task NAME (synthetic tasks: qkmap_lab/notes/synthetic-tasks.md)."
         )
     runs = str(Path(options.output_dir) / "runs")
     base = TrainOptions(options.preset, list(options.data), runs, **shared_fields(options, DataOptions))

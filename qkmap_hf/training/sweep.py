@@ -648,7 +648,7 @@ def summarize_sweep(rows: list[dict], sweep: SweepOptions, grids: dict, choices:
 
 def on_grid_edge(choice: float, grid: list[float]) -> bool:
     """Whether a tuning choice is the smallest or largest value of its grid: the grid was too small to say that
-    value is best (docs/stability.md, docs/synthetic-tasks.md)."""
+    value is best (qkmap_lab/notes/stability.md, qkmap_lab/notes/synthetic-tasks.md)."""
     return choice in (min(grid), max(grid))
 
 
