@@ -1,4 +1,4 @@
-"""What the attention monitor adds to training, measured side by side (docs/stability.md, "Monitor overhead").
+"""What the attention monitor adds to training, measured side by side (qkmap_lab/notes/stability.md, "Monitor overhead").
 
 Runs ``qkmap train`` (the library's ``train``) on a size preset twice per round, interleaved: with the monitor at its
 default interval and with ``monitor_steps=0``; reports each round's wall-time ratio and their median. It also times

@@ -1,4 +1,4 @@
-"""MQAR sizing pilot outside the harness (docs/synthetic-tasks.md, "Third round"): a plain training loop on preset
+"""MQAR sizing pilot outside the harness (qkmap_lab/notes/synthetic-tasks.md, "Third round"): a plain training loop on preset
 ``tiny`` with the answer-only loss, MQAR sequences and, optionally, dense copying (``copy``) mixed in or first.
 
 AdamW (betas 0.9/0.98) at a constant rate after 200 linear warm-up steps, gradients clipped at 1, one thread. Every

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's four claims at equal tuning effort, with the controls that say why (docs/paper-claims.md).
+# The paper's four claims at equal tuning effort, with the controls that say why (qkmap_lab/notes/paper-claims.md).
 #
 # 1. `qkmap compare --tune`: nine arms on preset claims-cpu (2 layers x 128, 2 heads x 64, T=512, batch 4), byte-level
 #    Shakespeare. Every arm gets the same grid (logit_scale_multiplier 1 or 4); each arm's choice is made on the tuning
@@ -10,7 +10,7 @@
 # qkmap_logit_scale=null pins QK-MAP's base scale at 1/sqrt(m) (the default when this ran; the default is now "auto",
 # chosen from this run), so the multiplier means the same for every mode: x the mode's textbook scale.
 # Resumable: finished runs (in sweep_losses.csv) and finished analyses (diagnostics/*.json) are skipped.
-# Sized for about 80 minutes on one thread of the shared 2-core machine (docs/paper-claims.md says why).
+# Sized for about 80 minutes on one thread of the shared 2-core machine (qkmap_lab/notes/paper-claims.md says why).
 #   usage: benchmarks/paper_claims.sh [OUTPUT_DIR] [extra qkmap compare flags...]
 set -euo pipefail
 OUT=${1:-runs/paper-claims}
@@ -30,7 +30,7 @@ ${QKMAP:-python -m qkmap_hf} compare "${COMMON[@]}" --output-dir "$OUT" --tune l
     --variant "qk_map_f4_w10:qk_mode=qk_map,qkmap_num_frequencies=4,qkmap_input_dim=16,qkmap_max_frequency=10" \
     "$@"
 python -m qkmap_lab.paper_claims "$OUT"
-# 3. Evidence for the default logit scale (docs/paper-claims.md, "Defaults"): QK-MAP at the scale it did not choose
+# 3. Evidence for the default logit scale (qkmap_lab/notes/paper-claims.md, "Defaults"): QK-MAP at the scale it did not choose
 #    (x1), on the same report seeds and report split, paired with the x4 runs of step 1.
 ${QKMAP:-python -m qkmap_hf} compare "${COMMON[@]}" --output-dir "$OUT-scale1" \
     --variant "qk_map_scale1:qk_mode=qk_map,logit_scale_multiplier=1" "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stability without normalization (docs/stability.md): final loss against learning rate for every arm (Wortsman et
+# Stability without normalization (qkmap_lab/notes/stability.md): final loss against learning rate for every arm (Wortsman et
 # al. 2023), learning-rate sensitivity, the largest stable rate, and claim 1 at equal learning-rate tuning.
 #
 # Every arm: preset claims-cpu widths (2 layers x 128, 2 heads x 64), block 128, batch 16, 1000 steps, byte-level

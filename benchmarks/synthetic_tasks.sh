@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Claims 2 and 4 on synthetic tasks where position carries no information (docs/synthetic-tasks.md).
+# Claims 2 and 4 on synthetic tasks where position carries no information (qkmap_lab/notes/synthetic-tasks.md).
 #
 # Per task instance (INSTANCES, "TASK@LENGTH" each): every arm on preset tiny (2 layers x 64, 4 heads x 16, GQA 4/2),
 # batch BATCH_SIZE (16), STEPS steps, answer-only loss, evaluated every 100 steps; tuned on learning rate

@@ -1,7 +1,7 @@
 """Atomic file writes: a crash or Ctrl-C never leaves a half-written file that looks complete.
 
 Every JSON, README, CSV, plot and copied file that qkmap_hf writes goes through these helpers
-(tests/test_fileio.py greps the package for raw writes). The one mechanism is ``atomic_path``: write to a
+(tests/plugin/test_fileio.py greps the package for raw writes). The one mechanism is ``atomic_path``: write to a
 temporary file beside the target, rename it into place only when the write succeeded. ``staged_folder`` does
 the same for a whole save (``qkmap train``'s final model): everything is written into a hidden folder beside the
 target, and only a complete save is moved in (renames, which need no space), so a full disk or a kill mid-save

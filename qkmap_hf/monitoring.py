@@ -1,4 +1,4 @@
-"""A training monitor for attention-logit growth and divergence, kept on by default (docs/stability.md).
+"""A training monitor for attention-logit growth and divergence, kept on by default (qkmap_lab/notes/stability.md).
 
 QK-Norm exists to stop attention logits from growing until softmax is one-hot (Wortsman et al. 2023, "Small-scale
 proxies for large-scale Transformer training instabilities"); QK-MAP claims to bound them without normalizing. The

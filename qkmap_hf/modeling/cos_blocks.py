@@ -41,7 +41,7 @@ class PhaseCosBlocks:
 class ConstantCosBlocks(PhaseCosBlocks):
     """``constant``: the cos rows are the learnable constant ``a_cos`` (``cos(omega z)`` replaced by 1), rotated by
     RoPE when the cos blocks are, so only the sine rows see ``z``: the control that isolates magnitude from QK-MAP's
-    relative-position prior (docs/synthetic-tasks.md). At zero sine gains it equals ``standard_prior``."""
+    relative-position prior (qkmap_lab/notes/synthetic-tasks.md). At zero sine gains it equals ``standard_prior``."""
 
     name = "constant"
     stacks_decoding = False

@@ -5,7 +5,7 @@ Copied into every checkpoint next to modeling_qkmap.py (it imports only torch). 
 elementwise chain keeps phases, cos, sin and the gained features of every query and key for the backward
 pass: about five times the bytes of ``z``. ``QKMapFeatureFunction`` keeps ``z`` and the small parameter
 tensors only and recomputes cos/sin in the backward pass; its gradients are autograd's up to float rounding
-(tests/test_feature_map.py checks them against autograd of the written-out formula).
+(tests/plugin/test_feature_map.py checks them against autograd of the written-out formula).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 # Copyright 2026 The qkmap-hf authors. Licensed under the Apache License, Version 2.0.
 """How training treats QK-MAP's gains (``qkmap_gain_treatment``): they set the logit bound
-``|logit| <= scale * ||a_q|| * ||a_k||`` (docs/stability.md), so the treatment decides whether that bound holds.
+``|logit| <= scale * ||a_q|| * ||a_k||`` (qkmap_lab/notes/stability.md), so the treatment decides whether that bound holds.
 
 Each treatment is a small class; ``GAIN_TREATMENTS`` is its registry, keyed by the config value. The feature map
 (``construction_qkmap.QKMapFeatureMap``) asks its treatment whether the gains train, which optimizer group they

@@ -17,7 +17,7 @@ class with the same three methods.
   and key gains are both 0 (cos rows, blocks f >= 1) ramp to a small value; the logits do not change (the query
   gain is still 0) but the query gains now receive gradient. With ``cos_share`` the cos rows' query *and* key gains
   ramp to the per-head value at which they carry that share of each side's feature energy (this changes the logits:
-  a RoPE-rotated near-constant term, the recency prior of docs/paper-claims.md).
+  a RoPE-rotated near-constant term, the recency prior of qkmap_lab/notes/paper-claims.md).
 - ``NormAnnealSchedule``: a converted QK-Norm model's input norm power ``beta`` from 1 (exact) to 0 (a fixed
   per-channel scale that folds into the projections), with ``r`` calibrated per head on fixed blocks.
 - ``ValueSchedule``: a scalar such as the distillation weight lambda.

@@ -438,7 +438,7 @@ def train(
         logger.warning(
             "--fsdp: accelerate enables FSDP only on accelerators (CUDA/XPU/NPU...); this run (%s, world size %d) "
             "uses %s instead. The decoder-layer wrapping is tested on CPU with torch's fully_shard directly "
-            "(tests/test_distributed.py).",
+            "(tests/plugin/test_distributed.py).",
             trainer.args.device,
             trainer.args.world_size,
             trainer.args.parallel_mode.value,

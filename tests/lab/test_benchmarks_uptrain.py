@@ -113,7 +113,7 @@ def test_no_divergence_stop_trains_every_step(source, tmp_path):
     assert result["final_loss"] == result["rows"][-1]["held_out_loss"]  # the run's own last evaluation, not L0
 
 
-@pytest.mark.slow  # two tiny heals, like tests/test_heal.py's
+@pytest.mark.slow  # two tiny heals, like tests/plugin/test_heal.py's
 def test_stage_one_heals_sham_heals_and_splits_the_cost(source, tmp_path, capsys):
     out = tmp_path / "split"
     argv = _argv(source, out, "--arms", "healed", "sham_healed", "--learning-rates", "1e-3", "--seeds", "1",

@@ -218,7 +218,7 @@ def test_phases_are_computed_in_float32():
 
 @pytest.mark.parametrize("layout", ["wide", "compact"])
 def test_sdpa_equals_eager_and_pads_values_only_when_widths_differ(layout, monkeypatch):
-    """sdpa's own kernels (the fused CPU attention off: tests/test_fused_attention.py covers it)."""
+    """sdpa's own kernels (the fused CPU attention off: tests/plugin/test_fused_attention.py covers it)."""
     input_dim = None if layout == "wide" else 8  # head_dim 16: wide keys are 32 wide, compact 16
     eager = make_model("qk_map", attn="eager", qkmap_input_dim=input_dim, qkmap_fused_attention=False)
     sdpa = copy.deepcopy(eager)

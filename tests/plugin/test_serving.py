@@ -1,6 +1,6 @@
 """Serving: transformers' continuous batching (``generate_batch``, ``transformers serve``) gives ``generate``'s
 tokens; ``qkmap serve`` picks the engine and refuses what it cannot serve; the vLLM plugin's checks.
-vLLM itself is exercised in tests/test_serving_vllm.py."""
+vLLM itself is exercised in tests/plugin/test_serving_vllm.py."""
 
 from __future__ import annotations
 

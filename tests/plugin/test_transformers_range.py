@@ -60,14 +60,20 @@ def oldest_transformers_site() -> Path:
 @pytest.mark.slow
 def test_oldest_supported_transformers_passes_the_core_checks(tmp_path):
     site = oldest_transformers_site()
-    env = {**os.environ, "PYTHONPATH": str(site), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    repository = Path(__file__).resolve().parents[2]
+    # The checkout itself goes on the path too: the check needs this qkmap_hf whether or not it is installed.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(repository)]),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+    }
     result = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("compat_check.py"))],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=repository,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
