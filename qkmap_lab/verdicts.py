@@ -122,8 +122,19 @@ def from_paper_claims(folder: Path) -> list[Verdict]:
                                    settings["steps"], record, metric.name)  # fmt: skip
                     if metric.name == "first_token_mass":
                         entry = replace(entry, note=_largest_mean(tables[metric.name], "mass on token 0"))
-                    entries.append(entry)
+                    entries.append(_with_length_note(entry))
     return entries
+
+
+# Below this many steps a run is a pilot: the rule still reads its interval, and the line says it decides nothing.
+PILOT_STEPS = 1000
+
+
+def _with_length_note(entry: Verdict) -> Verdict:
+    if entry.steps >= PILOT_STEPS:
+        return entry
+    pilot = f"a {entry.steps}-step pilot, too short to decide the claim at length"
+    return replace(entry, note=f"{entry.note}; {pilot}" if entry.note else pilot)
 
 
 def _largest_mean(table: dict[str, dict], what: str) -> str:

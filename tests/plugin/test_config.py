@@ -111,12 +111,12 @@ def test_invalid_values_in_a_saved_config_fail_on_load(tmp_path):
         AutoConfig.from_pretrained(tmp_path)
 
 
-def test_readme_table_lists_every_qkmap_field_with_its_real_default():
+def test_configuration_page_lists_every_qkmap_field_with_its_real_default():
     import dataclasses
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", readme, flags=re.MULTILINE))
     defaults = {f.name: f.default for f in dataclasses.fields(QKMapConfig) if f.name.startswith(("qk_", "qkmap_"))}
     assert set(rows) == set(defaults)
