@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 RECORDS = REPO / "docs" / "results"
 VERDICTS_FILE = RECORDS / "verdicts.json"
 RESEARCH_PAGE = REPO / "docs" / "research.md"
+# Below this many steps a run is a pilot: the rule still reads its interval, and the line says it decides nothing.
+PILOT_STEPS = 1000
 BEGIN, END = "<!-- verdicts: begin (qkmap-lab verdicts writes these lines) -->", "<!-- verdicts: end -->"
 # Comparisons whose answer is fixed by construction: reported with the note, so no reader takes them for evidence.
 BY_CONSTRUCTION = {
@@ -96,11 +98,25 @@ def _settings(summary: Path) -> dict[str, Any]:
     return json.loads(summary.read_text())["settings"]
 
 
-def _setting_text(settings: dict[str, Any], what: str) -> str:
+def _tuning_text(summary: Path) -> str:
+    """What each arm was tuned on and which split and seeds chose it, read from the sweep's own summary."""
+    document = json.loads(summary.read_text())
+    grid = document["settings"].get("tune") or {}
+    if not grid:
+        return "no arm tuned"
+    knobs = "; ".join(f"{knob} in {{{', '.join(map(str, values))}}}" for knob, values in grid.items())
+    seeds = (document.get("splits") or {}).get("tuning", {}).get("seeds")
+    chosen = f" on the tuning split (seeds {', '.join(map(str, seeds))})" if seeds else ""
+    fixed = "" if "learning_rate" in grid else ", the learning rate not tuned (one for every arm)"
+    return f"each arm tuned on {knobs}{chosen}{fixed}"
+
+
+def _setting_text(summary: Path, what: str) -> str:
+    settings = _settings(summary)
     config = {k: v for k, v in (settings.get("config") or {}).items() if v is not None}
     size = f"preset {settings['preset']}" + (f" with {config}" if config else "")
     batch = f", batch {settings['batch_size']}" if settings.get("batch_size") else ""
-    return f"{what}, {size}, block {settings['block_size']}{batch}"
+    return f"{what}, {size}, block {settings['block_size']}{batch}; {_tuning_text(summary)}"
 
 
 def from_paper_claims(folder: Path) -> list[Verdict]:
@@ -110,7 +126,7 @@ def from_paper_claims(folder: Path) -> list[Verdict]:
     record = folder / "claims.json"
     tables = json.loads(record.read_text())["tables"]
     settings = _settings(folder / "summary.json")
-    setting = _setting_text(settings, "byte-level Shakespeare")
+    setting = _setting_text(folder / "summary.json", "byte-level Shakespeare")
     entries = []
     for claim, metrics in CLAIMS.items():
         for metric in metrics:
@@ -122,12 +138,8 @@ def from_paper_claims(folder: Path) -> list[Verdict]:
                                    settings["steps"], record, metric.name)  # fmt: skip
                     if metric.name == "first_token_mass":
                         entry = replace(entry, note=_largest_mean(tables[metric.name], "mass on token 0"))
-                    entries.append(_with_length_note(entry))
+                    entries.append(entry)
     return entries
-
-
-# Below this many steps a run is a pilot: the rule still reads its interval, and the line says it decides nothing.
-PILOT_STEPS = 1000
 
 
 def _with_length_note(entry: Verdict) -> Verdict:
@@ -152,7 +164,7 @@ def from_stability(folder: Path) -> list[Verdict]:
     arms = json.loads(record.read_text())["arms"]
     shard = sorted((folder / "sweep").glob("shard-*/summary.json")) or [folder / "sweep" / "summary.json"]
     settings = _settings(shard[0])
-    setting = _setting_text(settings, "byte-level Shakespeare, every arm at its tuned learning rate")
+    setting = _setting_text(shard[0], "byte-level Shakespeare")
     return [
         _entry(claim, setting, "report-split validation loss", -1, baseline, arms[SUBJECT][f"vs_{baseline}"],
                settings["steps"], record, "val_loss")
@@ -169,6 +181,7 @@ def from_task_report(folder: Path) -> list[Verdict]:
     report = json.loads(record.read_text())
     summaries = sorted(folder.glob("*summary.json"))
     steps = _settings(summaries[0])["steps"] if summaries else 0
+    tuning = f"; {_tuning_text(summaries[0])}" if summaries else ""
     entries = []
     sweeps = [name for name in report if name not in ("tuning", "probes", "verdicts", "generalization")]
     for sweep in sweeps:
@@ -180,7 +193,7 @@ def from_task_report(folder: Path) -> list[Verdict]:
             for baseline in metric.baselines:
                 if f"vs_{baseline}" in row:
                     entries.append(
-                        _entry(metric.label, f"synthetic task {sweep} ({folder.name})", metric.label, metric.claimed_sign, baseline,
+                        _entry(metric.label, f"synthetic task {sweep} ({folder.name}){tuning}", metric.label, metric.claimed_sign, baseline,
                                row[f"vs_{baseline}"], steps, record, name)
                     )  # fmt: skip
     return entries
@@ -199,7 +212,7 @@ READERS = {"stability": from_stability, "paper_claims": from_paper_claims, "task
 
 def collect(records: Path = RECORDS) -> list[Verdict]:
     """Every verdict of ``STUDIES``, in their order."""
-    return [entry for reader, folder in STUDIES for entry in READERS[reader](records / folder)]
+    return [_with_length_note(entry) for reader, folder in STUDIES for entry in READERS[reader](records / folder)]
 
 
 def _number(value: float) -> str:

@@ -36,12 +36,15 @@ def test_every_entry_comes_from_its_record_by_the_rule():
         assert rule(entry.interval, entry.better) == entry.verdict
         assert entry.seeds >= 3 and entry.steps > 0 and entry.better in ("lower", "higher")
         assert (verdicts.REPO / entry.record).is_file()
-    # Claim 1 at 1000 steps (the stability study): re-read from its record, every interval contains 0.
+    # Claim 1 at 1000 steps (the stability study), re-read from its record: the research page's prose says both
+    # intervals contain 0, so both lines must be inconclusive.
     stability = json.loads((verdicts.RECORDS / "stability" / "report" / "stability.json").read_text())
-    for entry in (e for e in entries if e.record.endswith("stability.json")):
+    from_stability = [e for e in entries if e.record.endswith("stability.json")]
+    assert len(from_stability) == 2
+    for entry in from_stability:
         paired = stability["arms"]["qk_map"][f"vs_{entry.comparison.split(' - ')[1]}"]
         assert entry.interval == [paired["low"], paired["high"]] and entry.steps == 1000
-        assert entry.verdict == ("inconclusive" if paired["low"] < 0 < paired["high"] else entry.verdict)
+        assert paired["low"] < 0 < paired["high"] and entry.verdict == "inconclusive"
 
 
 def test_comparisons_fixed_by_construction_say_so():
@@ -73,3 +76,11 @@ def test_pilot_runs_say_they_decide_nothing_at_length():
     short = [e for e in entries if e.steps < verdicts.PILOT_STEPS]
     assert short and all("pilot" in e.note for e in short)
     assert all("pilot" not in e.note for e in entries if e.steps >= verdicts.PILOT_STEPS)
+
+
+def test_every_line_says_what_each_arm_was_tuned_on_and_what_chose_it():
+    for entry in collect():
+        assert "each arm tuned on " in entry.setting and "on the tuning split (seeds 1000)" in entry.setting
+    pilot = [e for e in collect() if e.record.endswith("claims.json")]
+    assert pilot and all("learning rate not tuned" in e.setting for e in pilot)
+    assert all("learning rate not tuned" not in e.setting for e in collect() if e not in pilot)
